@@ -1,0 +1,15 @@
+"""tokenloom: an LLM inference and serving engine on PyTorch."""
+from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # LLM imports torch and the model code; load it lazily.
+    if name == "LLM":
+        from tokenloom.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

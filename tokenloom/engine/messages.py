@@ -1,0 +1,47 @@
+"""Typed messages between the frontend (LLM class or API server) and the EngineCore.
+
+They are msgspec structs so they cross a ZMQ socket as msgpack, never pickle.
+The EngineCore only schedules and computes: it sees token ids, never text.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    # Token-id sequences derived from SamplingParams.bad_words by the frontend's tokenizer.
+    bad_words_token_ids: list[list[int]] = []
+    eos_token_ids: list[int] = []
+    cache_salt: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one engine step produced for one (child) sequence."""
+
+    request_id: str
+    index: int = 0  # which of the request's n (or best_of) sequences
+    new_token_ids: list[int]
+    # Per new token: [[token_id, logprob, rank], ...], chosen token first, then top-k.
+    new_logprobs: list[list[list[float]]] | None = None
+    # For the whole prompt (first position None), sent once with the first token.
+    prompt_logprobs: list[list[list[float]] | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Timestamps (time.time()) for metrics.
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
