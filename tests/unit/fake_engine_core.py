@@ -1,0 +1,59 @@
+"""A tiny stand-in EngineCore for testing the process plumbing without a model.
+
+Each request "generates" its prompt's token ids + 1, one per step, up to max_tokens.
+A prompt whose first token is 999999 makes `step()` raise (engine failure);
+666666 makes the process exit at once (engine crash).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from tokenloom.engine.messages import EngineCoreOutput
+
+
+class FakeCore:
+    def __init__(self, config):
+        self.config = config
+        self.reqs = {}
+        self.step_delay = float(os.environ.get("FAKE_CORE_STEP_DELAY", "0.01"))
+
+    def add_request(self, req):
+        if req.prompt_token_ids and req.prompt_token_ids[0] == 666666:
+            os._exit(3)
+        self.reqs[req.request_id] = [req, 0]
+
+    def abort_requests(self, ids):
+        for i in ids:
+            self.reqs.pop(i, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def step(self):
+        time.sleep(self.step_delay)
+        outs = []
+        for rid, st in list(self.reqs.items()):
+            req, k = st
+            if req.prompt_token_ids and req.prompt_token_ids[0] == 999999:
+                raise RuntimeError("boom")
+            tok = req.prompt_token_ids[k % len(req.prompt_token_ids)] + 1
+            st[1] += 1
+            done = st[1] >= (req.sampling_params.max_tokens or 16)
+            outs.append(EngineCoreOutput(request_id=rid, new_token_ids=[tok],
+                                         finish_reason="length" if done else None,
+                                         arrival_time=req.arrival_time))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def stats(self):
+        return {"num_running": len(self.reqs), "num_waiting": 0, "kv_cache_usage": 0.0,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+
+    def info(self):
+        return {"max_model_len": 128, "num_blocks": 64, "block_size": 16}
+
+
+def make(config):
+    return FakeCore(config)

@@ -1,0 +1,91 @@
+"""EngineCore process plumbing (core_proc / core_client) with a fake core: no model needed."""
+import asyncio
+import os
+import time
+
+import pytest
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.sampling_params import SamplingParams
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(autouse=True)
+def _fake_on_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _req(rid, prompt, max_tokens=3):
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt,
+                             sampling_params=SamplingParams(max_tokens=max_tokens), arrival_time=time.time())
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): check its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_roundtrip_abort_utility_shutdown():
+    async def main():
+        got = []
+        client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: got.extend(m.outputs),
+                                  core_factory="fake_engine_core:make", heartbeat_interval=0.2)
+        info = await client.start(startup_timeout=30)
+        assert info["max_model_len"] == 128 and info["num_blocks"] == 64
+        await client.add_request(_req("a", [1, 2], max_tokens=3))
+        await client.add_request(_req("b", [5], max_tokens=1000))
+        deadline = time.time() + 10
+        while not any(o.request_id == "a" and o.finish_reason for o in got) and time.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert [t for o in got if o.request_id == "a" for t in o.new_token_ids] == [2, 3, 2]
+        await client.abort_requests(["b"])
+        await asyncio.sleep(0.3)
+        stats = await client.call_utility("stats")
+        assert stats["num_running"] == 0
+        assert await client.call_utility("ping") == "pong"
+        with pytest.raises(RuntimeError):
+            await client.call_utility("nope")
+        pid = client.engine_pid
+        client.shutdown()
+        assert not _alive(pid)
+    run(main())
+
+
+def test_engine_step_failure_and_crash_detected():
+    for poison in (999999, 666666):
+        async def main():
+            dead = []
+            client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: None, on_dead=dead.append,
+                                      core_factory="fake_engine_core:make", heartbeat_interval=0.2)
+            await client.start(startup_timeout=30)
+            await client.add_request(_req("x", [poison]))
+            t0 = time.time()
+            while not dead and time.time() - t0 < 5:
+                await asyncio.sleep(0.05)
+            assert dead, "engine death not noticed"
+            assert not client.is_alive
+            with pytest.raises(EngineDeadError):
+                await client.add_request(_req("y", [1]))
+            client.shutdown()
+        run(main())
+
+
+def test_startup_failure_reported():
+    async def main():
+        client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: None,
+                                  core_factory="fake_engine_core:does_not_exist")
+        with pytest.raises(EngineStartupError):
+            await client.start(startup_timeout=30)
+    run(main())
