@@ -1,0 +1,200 @@
+"""Render Hugging Face style Jinja chat templates in a sandbox."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed to compile or render, or rejected its input."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept `{% generation %}...{% endgeneration %}` and render its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore-prefixed attributes."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _TemplateDict:
+    """`dict()` for templates, without exposing the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile `template` once; later calls with the same string reuse it."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"invalid chat template: {e}") from e
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild `value` from plain JSON types so a template sees no rich objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for message in _plain(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"chat messages must be dicts, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _tag_final_message(messages: list[dict[str, Any]], template: str) -> str:
+    """Append a marker to the final message's text; return that text."""
+    if not messages:
+        raise ChatTemplateError("continue_final_message is set but the conversation is empty")
+    final = messages[-1]
+    content = final.get("content")
+    if content is None:
+        raise ChatTemplateError("continue_final_message is set but the final message has no content")
+    if "content" not in template:
+        raise ChatTemplateError("continue_final_message is set but the template never reads 'content'")
+    if isinstance(content, list):
+        for block in reversed(content):
+            if isinstance(block, dict) and "text" in block:
+                text = block["text"]
+                block["text"] = text + _CONTINUE_TAG
+                return text
+        raise ChatTemplateError("continue_final_message is set but the final message has no text block")
+    final["content"] = content + _CONTINUE_TAG
+    return content
+
+
+def _cut_at_tag(rendered: str, final_text: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError("continue_final_message is set but the template drops the final message")
+    loc = rendered.rindex(tag)
+    if rendered[loc:loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
+
+
+def render_chat_template(
+    template: str,
+    messages: list[Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    special_tokens: Mapping[str, str | None] | None = None,
+    **chat_template_kwargs: Any,
+) -> str:
+    """Render `messages` with `template` the way `transformers` does (tokenize=False).
+
+    `special_tokens` (e.g. bos_token, eos_token) become template variables; `chat_template_kwargs`
+    are passed through and override them. With `continue_final_message` the output ends right
+    after the final message's text (no end-of-turn, no generation prompt).
+    """
+    compiled = compile_chat_template(template)
+    chat = _normalize_messages(messages)
+    final_text = _tag_final_message(chat, template) if continue_final_message else None
+    variables = {**dict(special_tokens or {}), **_plain(chat_template_kwargs)}
+    try:
+        rendered = compiled.render(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **variables,
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e
+    except Exception as e:
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+    if final_text is not None:
+        rendered = _cut_at_tag(rendered, final_text)
+    return rendered
