@@ -105,7 +105,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: i
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                       top_p: torch.Tensor | None) -> torch.Tensor:
+                       top_p: torch.Tensor | None, max_k: int) -> torch.Tensor:
     """Mask logits [R, V] outside top-k (k [R], V = disabled) and the top-p nucleus.
 
     Without top-p this avoids a full sort (topk + threshold; ties at the k-th value are
@@ -113,8 +113,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     """
     V = logits.shape[-1]
     if top_p is None:
-        assert top_k is not None
-        max_k = int(top_k.max().item())
+        assert top_k is not None  # max_k = top_k.max(), known on the host (no sync)
         kth = logits.topk(max_k, dim=-1).values.gather(-1, (top_k - 1).unsqueeze(-1))
         return logits.masked_fill(logits < kth, _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -312,7 +311,7 @@ class Sampler:
             top_k = _tensor(ks, torch.int64, device) if any(k < V for k in ks) else None
             top_p = _tensor(ps, torch.float32, device) if any(p < 1.0 for p in ps) else None
             sub = logits if len(tk_rows) == B else logits.index_select(0, sub_idx)
-            sub = _apply_top_k_top_p(sub, top_k, top_p)
+            sub = _apply_top_k_top_p(sub, top_k, top_p, max(ks))
             if len(tk_rows) == B:
                 logits = sub
             else:
