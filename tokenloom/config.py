@@ -1,0 +1,161 @@
+"""Engine configuration: typed dataclasses with validation, plus their CLI flags.
+
+Every option is also settable through an environment variable
+``TOKENLOOM_<NAME>`` (e.g. ``TOKENLOOM_MAX_NUM_SEQS=64``); a flag wins over it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value a user set is out of range or inconsistent."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    model: str = EMBEDDED_MODEL
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
+    served_model_name: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be one of auto, float32, bfloat16, float16 (got {self.dtype!r})")
+        _check(self.max_model_len is None or self.max_model_len >= 1,
+               f"max_model_len must be >= 1 (got {self.max_model_len})")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: float = 2.0  # GiB, CPU
+    gpu_memory_utilization: float = 0.9  # CUDA
+    num_blocks: int | None = None  # overrides the memory budget
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+               f"block_size must be a power of two in 1..256 (got {self.block_size})")
+        _check(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB (got {self.kv_cache_memory})")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        _check(self.num_blocks is None or self.num_blocks >= 2,
+               f"num_blocks must be >= 2 (got {self.num_blocks})")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    long_prefill_token_threshold: int = 512  # per-request cap on one prefill chunk
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        _check(self.long_prefill_token_threshold >= 1,
+               f"long_prefill_token_threshold must be >= 1 (got {self.long_prefill_token_threshold})")
+
+
+@dataclass
+class LimitsConfig:
+    """Caps on what one request may ask for."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256
+    max_logit_bias: int = 1024
+    max_bad_words: int = 128
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(getattr(self, f.name) >= 0, f"{f.name} must be >= 0 (got {getattr(self, f.name)})")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    log_stats_interval: float = 10.0  # seconds between engine log lines; 0 = off
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (``LLM(model, max_num_seqs=8, ...)``)."""
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "limits": LimitsConfig}
+        values: dict[str, dict] = {name: {} for name in parts}
+        top = {}
+        for key, value in kwargs.items():
+            owner = next((n for n, c in parts.items() if key in {f.name for f in fields(c)}), None)
+            if owner is not None:
+                values[owner][key] = value
+            elif key in {f.name for f in fields(cls)}:
+                top[key] = value
+            else:
+                raise ConfigError(f"unknown engine argument {key!r}")
+        return cls(**{n: parts[n](**v) for n, v in values.items()}, **top)
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "EngineConfig":
+        kwargs = {}
+        for part in (ModelConfig, CacheConfig, SchedulerConfig, LimitsConfig):
+            for f in fields(part):
+                if getattr(ns, f.name, None) is not None:
+                    kwargs[f.name] = getattr(ns, f.name)
+        if getattr(ns, "no_enable_prefix_caching", False):
+            kwargs["enable_prefix_caching"] = False
+        return cls.from_kwargs(**kwargs)
+
+
+def _env_default(name: str, default, kind):
+    raw = os.environ.get("TOKENLOOM_" + name.upper())
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable TOKENLOOM_{name.upper()}={raw!r} is not a valid {kind.__name__}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
+    """Add the engine's flags; defaults come from TOKENLOOM_<NAME> or the dataclasses."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=_env_default("model", None, str),
+                            help=f"GGUF file, Hugging Face style folder, or {EMBEDDED_MODEL!r} (default)")
+    g = parser.add_argument_group("engine")
+
+    def opt(name: str, kind, help: str) -> None:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=_env_default(name, None, kind),
+                       help=help)
+
+    opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    opt("device", str, "auto|cpu|cuda|cuda:N")
+    opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
+    opt("seed", int, "seed for requests without their own seed")
+    opt("block_size", int, "tokens per KV block (default 16)")
+    opt("kv_cache_memory", float, "GiB of KV cache on CPU (default 2)")
+    opt("gpu_memory_utilization", float, "share of GPU memory for weights, activations and KV cache (default 0.9)")
+    opt("num_blocks", int, "number of KV blocks (overrides the memory budget)")
+    opt("max_num_seqs", int, "most requests running at once (default 64)")
+    opt("max_num_batched_tokens", int, "token budget of one engine step (default 1024)")
+    opt("long_prefill_token_threshold", int, "most prompt tokens of one request in one step (default 512)")
+    opt("max_n", int, "largest n / best_of a request may ask for (default 16)")
+    opt("max_logprobs", int, "largest logprobs / top_logprobs a request may ask for (default 20)")
+    g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
+                   default=_env_default("no_enable_prefix_caching", False, lambda s: s.lower() in ("1", "true", "yes")),
+                   help="turn automatic prefix caching off")

@@ -1,0 +1,93 @@
+"""Prompt + SamplingParams -> a validated EngineCoreRequest (shared by the LLM class and the server)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.sampling_params import SamplingParams, SamplingParamsError
+from tokenloom.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenloom.engine")
+
+
+class RequestValidationError(ValueError):
+    """A request the engine will not run; `param` names the offending field, `code` is OpenAI's."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int, vocab_size: int,
+                 eos_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(eos_token_ids)))
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
+        ids = self.tokenize(prompt)
+        params = self.validate(ids, params)
+        return EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+            arrival_time=arrival_time or time.time(), priority=priority,
+            bad_words_token_ids=self._bad_words(params.bad_words), eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check a tokenized prompt against the context and limits; returns params with max_tokens clamped."""
+        n = len(ids)
+        if n == 0:
+            raise RequestValidationError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestValidationError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                         f"(0..{self.vocab_size - 1})", "prompt")
+        limits = self.config.limits
+        try:
+            params.validate_limits(max_n=limits.max_n, max_logprobs=limits.max_logprobs,
+                                   max_stop=limits.max_stop_sequences, max_stop_len=limits.max_stop_length,
+                                   max_logit_bias=limits.max_logit_bias, vocab_size=self.vocab_size)
+        except SamplingParamsError as exc:
+            raise RequestValidationError(str(exc), getattr(exc, "param", None)) from None
+        if len(params.bad_words or ()) > limits.max_bad_words:
+            raise RequestValidationError(f"bad_words has {len(params.bad_words)} entries; the limit is "
+                                         f"{limits.max_bad_words}", "bad_words")
+        ctx = self.max_model_len
+        if n >= ctx:
+            raise RequestValidationError(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens, "
+                f"leaving no room for output.", "prompt", "context_length_exceeded")
+        if n + params.min_tokens >= ctx + 1:
+            raise RequestValidationError(
+                f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) exceeds the maximum context length "
+                f"of {ctx} tokens", "min_tokens", "context_length_exceeded")
+        room = ctx - n
+        if params.max_tokens is None or params.max_tokens > room:
+            if params.max_tokens is not None:
+                logger.info("max_tokens %d clamped to %d: the prompt has %d of %d context tokens",
+                            params.max_tokens, room, n, ctx)
+            params = replace(params, max_tokens=room)
+        return params
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]]:
+        out = []
+        for word in words or ():
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

@@ -1,0 +1,122 @@
+"""Start-up: pick device and dtype, load weights, size and allocate the KV cache, build the runner."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.runner import ModelRunner
+from tokenloom.scheduler.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger("tokenloom.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineSetup:
+    loaded: LoadedModel
+    runner: ModelRunner
+    kv_manager: KVCacheManager
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def arch(self) -> ArchConfig:
+        return self.loaded.arch
+
+    @property
+    def full_length_requests(self) -> int:
+        return self.num_blocks * self.block_size // self.max_model_len
+
+    def summary(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens; "
+                f"{self.full_length_requests} requests of {self.max_model_len} tokens fit")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
+def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        peak = torch.cuda.max_memory_allocated(device)
+        budget = total * cache.gpu_memory_utilization - used_by_others - peak
+        return max(int(budget // per_block), 2)
+    return max(int(cache.kv_cache_memory * 2 ** 30 // per_block), 2)
+
+
+def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
+    device = pick_device(config.model.device)
+    dtype = pick_dtype(config.model.dtype, device)
+    torch.manual_seed(config.model.seed)
+    loaded = load_model(config.model.model, dtype, device, progress=progress)
+    arch = loaded.arch
+    logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
+                loaded.bytes / 2 ** 20, loaded.seconds)
+    block_size = config.cache.block_size
+    if device.type == "cuda":
+        _profile_forward(loaded.model, arch, config, device, dtype)
+    num_blocks = _count_blocks(config, arch, device, dtype)
+    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+                 for _ in range(arch.num_layers)]
+    max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
+    if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
+        raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
+                          f"({arch.max_position_embeddings})")
+    capacity = num_blocks * block_size
+    if max_len > capacity:
+        logger.warning("max_model_len clamped from %d to %d: the KV cache holds only %d tokens "
+                       "(raise --kv-cache-memory or --num-blocks)", max_len, capacity, capacity)
+        max_len = capacity
+    kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+    runner = ModelRunner(loaded.model, kv_caches, block_size, device, config.limits.max_logprobs)
+    setup = EngineSetup(loaded, runner, kv, device, dtype, num_blocks, block_size, max_len)
+    logger.info(setup.summary())
+    return setup
+
+
+def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
+    """Run one max-size forward so the KV budget leaves room for activations."""
+    from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+    n = config.scheduler.max_num_batched_tokens
+    bs = config.cache.block_size
+    blocks = -(-n // bs)
+    caches = [torch.zeros(2, blocks, bs, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+              for _ in range(arch.num_layers)]
+    meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None,
+                             [PrefillChunk(0, n, n, torch.arange(blocks, device=device))])
+    with torch.inference_mode():
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % 
+                       arch.max_position_embeddings, caches, meta)
+        model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
+    del caches, hidden
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()

@@ -1,0 +1,120 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(conversations, params)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core import EngineCore
+from tokenloom.engine.input_processor import InputProcessor
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs an EngineCore in this process. Engine options are keyword arguments (see EngineConfig)."""
+
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_args):
+        if model is not None:
+            engine_args["model"] = model
+        self.config = EngineConfig.from_kwargs(**engine_args)
+        self.engine = EngineCore(self.config, progress=progress)
+        setup = self.engine.setup
+        self.tokenizer = Tokenizer.from_model_path(setup.loaded.path)
+        self.input_processor = InputProcessor(self.tokenizer, self.config, setup.max_model_len,
+                                              setup.arch.vocab_size, setup.arch.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        prompts = _as_list(prompts)
+        ids = self._add(prompts, sampling_params, priority)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        tokens, start = 0, time.perf_counter()
+        try:
+            for out in self._run():
+                if out.finished:
+                    finished[out.request_id] = out
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} output tok/s")
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def generate_stream(self, prompts: Prompt | Sequence[Prompt],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield cumulative RequestOutputs as tokens arrive, for all prompts interleaved."""
+        self._add(_as_list(prompts), sampling_params, None)
+        yield from self._run()
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams |
+             Sequence[SamplingParams] | None = None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template=chat_template, tools=tools,
+                                                      **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(prompt_ids, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
+
+    def _add(self, prompts: list[Prompt], params, priority) -> list[str]:
+        if params is None:
+            params = SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            rid = str(next(self._ids))
+            req = self.input_processor.process(rid, prompt, p, priority[i] if priority else 0)
+            requests.append((req, prompt))
+        ids = []
+        for req, prompt in requests:  # validate all first, so one bad prompt adds nothing
+            self.output_processor.add_request(req.request_id, prompt if isinstance(prompt, str) else None,
+                                              req.prompt_token_ids, req.sampling_params)
+            self.engine.add_request(req)
+            ids.append(req.request_id)
+        return ids
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            outputs, to_abort = self.output_processor.process_outputs(self.engine.step())
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            yield from outputs
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_requests([request_id])
+        self.output_processor.abort(request_id)
+
+
+def _as_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,86 @@
+"""Attention over a paged KV cache, for one flat batch of mixed prefills and decodes.
+
+The runner lays the flat batch out decodes first (one query token each), then
+prefill chunks. Decodes are attended in one batched call over their gathered
+blocks; each prefill chunk is one SDPA call (few per step). No per-token loops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first query token in the flat batch
+    end: int
+    context_len: int  # tokens in the KV cache for this request after this step
+    block_table: torch.Tensor  # [num_blocks] block ids
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = masked
+    prefills: list[PrefillChunk]
+
+
+class TorchAttention:
+    """Reference backend in plain torch; runs on CPU and CUDA."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H*D]."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        k_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            d = meta.num_decodes
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache[tables].view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, self.num_heads, 1, self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask.logical_not(),
+                                             scale=self.scale, enable_gqa=self.group > 1)
+        return out.reshape(b, -1)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        n = chunk.end - chunk.start
+        qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        if chunk.context_len == n:
+            keys, values = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+            mask, causal = None, True
+        else:
+            block_size = k_cache.shape[1]
+            blocks = chunk.block_table[: (chunk.context_len + block_size - 1) // block_size]
+            keys = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
+            values = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
+            offset = chunk.context_len - n
+            rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
+            causal = False
+        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=causal,
+                                             scale=self.scale, enable_gqa=self.group > 1)
+        return out.squeeze(0).transpose(0, 1).reshape(n, -1)

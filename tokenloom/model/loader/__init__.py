@@ -1,0 +1,67 @@
+"""Load a model from a GGUF file or a HF-style folder straight into the runtime dtype and device."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.loader.resolve import resolve_model_path
+from tokenloom.model.models.registry import model_class
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    arch: ArchConfig
+    path: str
+    num_params: int
+    bytes: int
+    seconds: float
+
+
+def open_model_source(path: str):
+    if os.path.isdir(path):
+        from tokenloom.model.loader.safetensors_loader import HFModelFolder
+        return HFModelFolder(path)
+    from tokenloom.model.loader.gguf_loader import GGUFModelFile
+    return GGUFModelFile(path)
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedModel:
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    source = open_model_source(path)
+    arch = source.arch_config
+    cls = model_class(arch.architecture)
+    with torch.device("meta"):
+        net = cls(arch)
+    net = net.to_empty(device=device).to(dtype)
+    _reset_buffers(net, arch, device)
+    bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
+               disable=not progress, leave=False)
+    seen = 0
+    for name, tensor in source.tensors(dtype):
+        net.load_weight(name, tensor.to(device))
+        seen += 1
+        bar.update(1)
+    bar.close()
+    if seen == 0:
+        raise ValueError(f"{path}: no tensors found")
+    net.eval()
+    params = sum(p.numel() for p in net.parameters())
+    size = sum(p.numel() * p.element_size() for p in net.parameters())
+    return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
+
+
+def _reset_buffers(net: torch.nn.Module, arch: ArchConfig, device: torch.device) -> None:
+    """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
+    from tokenloom.model.layers.rotary import RotaryEmbedding
+    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+    for module in net.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cos = rotary.cos.to(device)
+            module.sin = rotary.sin.to(device)

@@ -1,0 +1,95 @@
+"""Read a GGUF file: metadata, architecture, and dequantized tensors with HF names."""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
+
+
+class CorruptModelError(ValueError):
+    pass
+
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Architectures whose GGUF converter interleaves q/k rows for llama.cpp's rope; undone here.
+_PERMUTED_QK = {"llama", "mistral"}
+
+
+def hf_name(gguf_name: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+class GGUFModelFile:
+    """A GGUF file opened with the `gguf` package's reader (memory-mapped)."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as exc:  # the reader raises assorted errors on a bad file
+            raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.scores"):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:
+                continue
+        self.metadata["tokenizer.ggml.tokens"] = range(self._array_len("tokenizer.ggml.tokens"))
+        names = {t.name for t in self.reader.tensors}
+        self.arch_config = ArchConfig.from_gguf(self.metadata, names)
+        self.arch = self.metadata["general.architecture"]
+
+    def _array_len(self, key: str) -> int:
+        field = self.reader.fields.get(key)
+        return len(field.data) if field is not None else 0
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import GGMLQuantizationType, quants
+        cfg = self.arch_config
+        for t in self.reader.tensors:
+            try:
+                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    array = np.asarray(t.data)
+                else:
+                    array = quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name} uses unsupported quantization {t.tensor_type.name}") from None
+            except Exception as exc:
+                raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+            name = hf_name(t.name)
+            if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+                heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+                tensor = _unpermute(tensor, heads)
+            yield name, tensor.to(dtype)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    shape = w.shape
+    return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)

