@@ -13,6 +13,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -78,10 +79,19 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Sandbox that raises on unsafe attribute access instead of yielding an undefined value."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+
 @lru_cache(maxsize=32)
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile `template` once; later calls with the same string reuse it."""
-    env = ImmutableSandboxedEnvironment(
+    env = _StrictSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -99,8 +109,6 @@ def _plain(value: Any) -> Any:
     """Rebuild `value` from plain JSON types so a template sees no rich objects."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
