@@ -1,0 +1,34 @@
+"""`tokenloom bench throughput|serve` argument wiring."""
+from __future__ import annotations
+
+import argparse
+
+from tokenloom.config import add_engine_args
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    p = sub.add_parser("throughput", help="offline: random prompts through LLM.generate")
+    p.add_argument("--model", dest="model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset-seed", dest="bench_seed", type=int, default=0)
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also run HF transformers (batched, padded, greedy) on the same prompts and report the ratio")
+    p.add_argument("--transformers-batch", type=int, default=32)
+    p.add_argument("--decode-profile", type=int, default=32, metavar="BATCH",
+                   help="time a decode step at this batch size against the model's matmuls alone (0 = skip)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this file")
+    add_engine_args(p, model_positional=False)
+
+    def run(ns):
+        from tokenloom.bench.throughput import run_throughput
+        return run_throughput(ns)
+    p.set_defaults(func=run)
+
+    try:
+        from tokenloom.bench.serve import add_serve_bench_args
+        add_serve_bench_args(sub.add_parser("serve", help="load test of an OpenAI-compatible server"))
+    except ImportError:
+        pass

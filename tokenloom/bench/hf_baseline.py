@@ -1,0 +1,31 @@
+"""The transformers baseline for `bench throughput --compare-transformers` (needs transformers installed)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def run_transformers(model_path: str, prompts: list[list[int]], output_len: int, batch: int) -> dict:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise RuntimeError("--compare-transformers needs the transformers package (pip install transformers)")
+    if os.path.isdir(model_path):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), dtype=torch.float32,
+                                                     gguf_file=os.path.basename(model_path))
+    model.eval()
+    tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(prompts), batch), desc="transformers", unit="batch"):
+            ids = torch.tensor(prompts[i:i + batch])  # equal lengths: no padding needed
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed, "batch": batch}
