@@ -169,7 +169,7 @@ SANDBOX_ESCAPES = [
 
 
 @pytest.mark.parametrize("template", SANDBOX_ESCAPES)
-def test_sandbox_escapes_fail(template: str, tmp_path: Path) -> None:
+def test_sandbox_escapes_fail(template: str) -> None:
     with pytest.raises(ChatTemplateError):
         render_chat_template(template, [{"role": "user", "content": "x"}])
 

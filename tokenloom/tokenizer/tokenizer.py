@@ -113,7 +113,7 @@ class Tokenizer:
         if cached is None:
             try:
                 inner, info = build_gguf_tokenizer(read_gguf_metadata(path, "tokenizer."))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
                 raise TokenizerError(f"cannot build tokenizer from {path}: {e}") from e
             _store_cached(key, inner, info)
         else:
