@@ -23,34 +23,43 @@ class LoadedModel:
     seconds: float
 
 
-def open_model_source(path: str):
+def open_model_source(path: str, dtype: torch.dtype):
     if os.path.isdir(path):
         from tokenloom.model.loader.safetensors_loader import HFModelFolder
         return HFModelFolder(path)
+    from tokenloom.model.loader.weight_cache import CachedWeights
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
-    return GGUFModelFile(path)
+    return CachedWeights.lookup(path, dtype) or GGUFModelFile(path)
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedModel:
     start = time.perf_counter()
     path = resolve_model_path(model)
-    source = open_model_source(path)
+    source = open_model_source(path, dtype)
     arch = source.arch_config
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch)
     net = net.to_empty(device=device).to(dtype)
     _reset_buffers(net, arch, device)
-    bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
+    from tokenloom.model.loader.gguf_loader import GGUFModelFile
+    fill_cache = isinstance(source, GGUFModelFile)
+    loaded_tensors = {}
+    bar = tqdm(total=source.num_tensors if source.num_tensors >= 0 else None, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = 0
     for name, tensor in source.tensors(dtype):
         net.load_weight(name, tensor.to(device))
+        if fill_cache:
+            loaded_tensors[name] = tensor
         seen += 1
         bar.update(1)
     bar.close()
     if seen == 0:
         raise ValueError(f"{path}: no tensors found")
+    if fill_cache:
+        from tokenloom.model.loader import weight_cache
+        weight_cache.store(path, dtype, arch, loaded_tensors)
     net.eval()
     params = sum(p.numel() for p in net.parameters())
     size = sum(p.numel() * p.element_size() for p in net.parameters())
