@@ -16,8 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               disable_created_metrics, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# No `*_created` series next to every counter (vLLM does the same).
+disable_created_metrics()
 
 PREFIX = "tokenloom:"
 

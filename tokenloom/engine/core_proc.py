@@ -68,6 +68,23 @@ def engine_info(core: Any, config: Any) -> dict[str, Any]:
             info.update(core.info())
         except Exception:  # noqa: BLE001 - best effort
             pass
+    setup = getattr(core, "setup", None)
+    if setup is not None:
+        for key in ("num_blocks", "block_size", "max_model_len", "full_length_requests"):
+            try:
+                info.setdefault(key, getattr(setup, key))
+            except Exception:  # noqa: BLE001
+                pass
+        info.setdefault("device", str(getattr(setup, "device", "")))
+        info.setdefault("dtype", str(getattr(setup, "dtype", "")).replace("torch.", ""))
+        arch = getattr(setup, "arch", None)
+        if arch is not None:
+            for key in ("vocab_size", "max_position_embeddings", "eos_token_ids"):
+                if getattr(arch, key, None) is not None:
+                    info.setdefault(key, getattr(arch, key))
+        loaded = getattr(setup, "loaded", None)
+        if loaded is not None and getattr(loaded, "path", None):
+            info.setdefault("model_path", str(loaded.path))
     model_cfg = getattr(config, "model", None)
     cache_cfg = getattr(config, "cache", None)
     info.setdefault("max_model_len", getattr(model_cfg, "max_model_len", None))
@@ -102,6 +119,7 @@ class EngineCoreProc:
         self.poller.register(self.input, zmq.POLLIN)
         self._last_sent = 0.0
         self._stop = False
+        self._batched_tokens = 0
 
     # -------------------------------------------------------------- sending
 
@@ -182,9 +200,12 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 stats = self._stats()
-                if outputs:
+                # The engine counts tokens computed in total; one step's share is the difference.
+                total = int(stats.get("batched_tokens", 0) or 0)
+                step_tokens, self._batched_tokens = max(0, total - self._batched_tokens), total
+                if outputs or step_tokens:
                     self.send(ipc.StepOutputs(outputs=list(outputs), timestamp=time.time(), stats=stats,
-                                              num_step_tokens=int(stats.get("num_step_tokens", 0) or 0)))
+                                              num_step_tokens=step_tokens))
             if time.monotonic() - self._last_sent >= self.heartbeat_interval:
                 self.send(ipc.Heartbeat(timestamp=time.time(), stats=self._stats()))
 

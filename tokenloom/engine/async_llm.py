@@ -1,0 +1,374 @@
+"""AsyncLLM: the API process's side of the engine (asyncio).
+
+It owns the tokenizer, the InputProcessor (text/ids -> EngineCoreRequest, validation),
+the OutputProcessor (detokenize, stop strings, n>1 aggregation) and the client of the
+EngineCore process. `generate()` is an async iterator of cumulative `RequestOutput`s;
+leaving it early (client disconnect, cancellation) aborts the request in the engine at
+once. When the engine dies every open `generate()` raises `EngineDeadError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from tokenloom.engine import ipc
+from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from tokenloom.metrics import ServerMetrics
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenloom.requests")
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestFailedError", "LOG_LEVELS"]
+
+# Request logging levels: off, lifecycle (received/finished), stages (+queue, first token,
+# timings), full (+prompt and output text).
+LOG_LEVELS = ("off", "lifecycle", "stages", "full")
+
+# generation_config.json keys that become server-side sampling defaults.
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (the others go on)."""
+
+
+@dataclass
+class _Tracked:
+    """Per-request state in the frontend: the stream its consumer waits on, and timings."""
+
+    request_id: str
+    arrival: float
+    num_prompt_tokens: int
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    first_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)
+    engine_times: dict[str, float] = field(default_factory=dict)
+    finished: bool = False
+
+    def put(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        self.event.clear()
+        if self.error is not None:
+            raise self.error
+        out, self.latest = self.latest, None
+        assert out is not None
+        return out
+
+
+def load_generation_defaults(model_path: str | None) -> dict[str, Any]:
+    """Sampling defaults from the model folder's generation_config.json (empty for GGUF files)."""
+    if not model_path or not os.path.isdir(model_path):
+        return {}
+    path = os.path.join(model_path, "generation_config.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out = {k: data[k] for k in _GENERATION_DEFAULT_KEYS if data.get(k) is not None}
+    if data.get("do_sample") is False:
+        out["temperature"] = 0.0
+    if data.get("max_new_tokens") is not None:
+        out["max_tokens"] = data["max_new_tokens"]
+    return out
+
+
+class AsyncLLM:
+    def __init__(self, config: Any, *, served_model_name: str | None = None,
+                 heartbeat_timeout: float = 30.0, core_factory: str | None = None,
+                 log_requests: str = "off", tokenizer: Any = None) -> None:
+        if log_requests not in LOG_LEVELS:
+            raise ValueError(f"log_requests must be one of {', '.join(LOG_LEVELS)}")
+        self.config = config
+        self.log_requests = log_requests
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.input_processor: Any = None
+        self.output_processor: Any = None
+        self.metrics: ServerMetrics | None = None
+        self.generation_defaults: dict[str, Any] = {}
+        self.model_path: str | None = None
+        self.info: dict[str, Any] = {}
+        self.client = EngineCoreClient(config, on_outputs=self._on_outputs, on_dead=self._on_dead,
+                                       on_stats=self._on_stats, heartbeat_timeout=heartbeat_timeout,
+                                       core_factory=core_factory)
+        self._requests: dict[str, _Tracked] = {}
+        self._bg: set[asyncio.Task] = set()
+        self._started = False
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
+        from tokenloom.engine.input_processor import InputProcessor
+        from tokenloom.engine.output_processor import OutputProcessor
+        from tokenloom.model.loader.resolve import resolve_model_path
+        from tokenloom.tokenizer import Tokenizer
+
+        self.model_path = resolve_model_path(self.config.model.model)
+        tok_task = None
+        if self.tokenizer is None:  # load it while the engine loads the weights
+            tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
+        try:
+            self.info = await self.client.start(startup_timeout=startup_timeout)
+        except BaseException:
+            if tok_task is not None:
+                tok_task.cancel()
+            raise
+        if tok_task is not None:
+            self.tokenizer = await tok_task
+        vocab_size = int(self.info.get("vocab_size") or self.tokenizer.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len, vocab_size,
+                                              list(self.info.get("eos_token_ids") or []))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.generation_defaults = load_generation_defaults(self.model_path)
+        if self.served_model_name is None:
+            self.served_model_name = self.config.model.served_model_name or self.config.model.model
+        cache_info = {
+            "block_size": self.info.get("block_size"),
+            "num_gpu_blocks": self.info.get("num_blocks"),
+            "enable_prefix_caching": self.config.cache.enable_prefix_caching,
+            "cache_dtype": self.info.get("dtype", self.config.model.dtype),
+        }
+        self.metrics = ServerMetrics(self.served_model_name, cache_info)
+        self._started = True
+        return self
+
+    def shutdown(self) -> None:
+        self.fail_all(EngineDeadError("the server is shutting down"))
+        self.client.shutdown()
+
+    # ------------------------------------------------------------------ health / state
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.info.get("max_model_len") or self.config.model.max_model_len)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._started and self.client.is_alive
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead_reason
+
+    async def check_health(self) -> None:
+        if not self._started:
+            raise EngineDeadError("the engine is not started")
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "the engine process is not running")
+
+    @property
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(self.client.last_stats)
+
+    async def get_stats(self) -> dict[str, Any]:
+        """Fresh stats straight from the engine (a round trip)."""
+        return await self.client.call_utility("stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ requests
+
+    def default_sampling_params(self) -> dict[str, Any]:
+        return dict(self.generation_defaults)
+
+    def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
+        """Tokenize and validate (raises RequestValidationError / SamplingParamsError)."""
+        return self.input_processor.process(request_id, prompt, params, priority=priority,
+                                            arrival_time=arrival_time, cache_salt=cache_salt)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, engine_request: Any = None,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs of one request; the last one has finished=True.
+
+        `engine_request` may be passed when the caller already ran `process_inputs` (to
+        report validation errors before it starts streaming).
+        """
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "the engine is not running")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time()
+        req = engine_request or self.process_inputs(request_id, prompt, params, priority, arrival)
+        if prompt_text is None and isinstance(prompt, str):
+            prompt_text = prompt
+        tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids))
+        self._requests[request_id] = tracked
+        self.output_processor.add_request(request_id, prompt_text, req.prompt_token_ids, params)
+        self._log_received(request_id, req, params, prompt_text)
+        finished = False
+        try:
+            await self.client.add_request(req)
+            while True:
+                out = await tracked.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._drop(request_id, abort_engine=True)
+
+    async def abort(self, request_id: str) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.fail(RequestFailedError(f"request {request_id} was aborted"))
+        self._drop(request_id, abort_engine=True)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every open request with `exc` (engine death, forced shutdown)."""
+        for tracked in list(self._requests.values()):
+            tracked.fail(exc)
+
+    def _drop(self, request_id: str, abort_engine: bool) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        if self.output_processor is not None:
+            try:
+                self.output_processor.abort(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("output processor abort failed")
+        if not tracked.finished:
+            tracked.finished = True
+            out = tracked.latest
+            gen = sum(len(o.token_ids) for o in out.outputs) if out is not None else 0
+            if self.metrics is not None:
+                self.metrics.observe_finished(finish_reason="abort", prompt_tokens=tracked.num_prompt_tokens,
+                                              generation_tokens=gen, e2e=time.time() - tracked.arrival)
+            if self.log_requests != "off":
+                logger.info("request %s aborted after %.3f s", request_id, time.time() - tracked.arrival)
+        if abort_engine and self.client.is_alive:
+            self._spawn(self.client.abort_requests([request_id]))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # ------------------------------------------------------------------ engine callbacks
+
+    def _on_stats(self, stats: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_engine_stats(stats)
+
+    def _on_dead(self, reason: str) -> None:
+        self.fail_all(EngineDeadError(f"the engine died: {reason}"))
+
+    def _on_outputs(self, msg: ipc.StepOutputs) -> None:
+        now = time.time()
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.observe_iteration(msg.num_step_tokens)
+        errors: dict[str, str] = {}
+        outputs = []
+        for o in msg.outputs:
+            tracked = self._requests.get(o.request_id)
+            if tracked is None:
+                continue  # aborted meanwhile
+            outputs.append(o)
+            if o.error:
+                errors[o.request_id] = o.error
+            if o.new_token_ids:
+                last = tracked.last_token.get(o.index)
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                    if metrics is not None:
+                        metrics.observe_first_token(now - tracked.arrival)
+                    if self.log_requests in ("stages", "full"):
+                        logger.info("request %s first token after %.3f s", o.request_id, now - tracked.arrival)
+                elif last is not None and metrics is not None:
+                    metrics.observe_inter_token(now - last)
+                tracked.last_token[o.index] = now
+            for key in ("arrival_time", "first_scheduled_time", "first_token_time", "finished_time"):
+                value = getattr(o, key)
+                if value:
+                    if key in ("arrival_time", "first_scheduled_time", "first_token_time"):
+                        tracked.engine_times.setdefault(key, value)
+                    else:
+                        tracked.engine_times[key] = value
+        if not outputs:
+            return
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        for ro in request_outputs:
+            tracked = self._requests.get(ro.request_id)
+            if tracked is None:
+                continue
+            if ro.request_id in errors:
+                tracked.fail(RequestFailedError(errors[ro.request_id]))
+                tracked.finished = True
+                self._requests.pop(ro.request_id, None)
+                if metrics is not None:
+                    metrics.observe_finished(finish_reason="error", prompt_tokens=tracked.num_prompt_tokens,
+                                             generation_tokens=0, e2e=now - tracked.arrival)
+                logger.warning("request %s failed in the engine: %s", ro.request_id, errors[ro.request_id])
+                continue
+            tracked.put(ro)
+            if ro.finished:
+                tracked.finished = True
+                self._requests.pop(ro.request_id, None)
+                self._record_finished(tracked, ro, now)
+        if to_abort:
+            self._spawn(self.client.abort_requests(list(to_abort)))
+
+    def _record_finished(self, tracked: _Tracked, ro: RequestOutput, now: float) -> None:
+        gen = sum(len(o.token_ids) for o in ro.outputs)
+        reason = ro.outputs[0].finish_reason if ro.outputs else "error"
+        t = tracked.engine_times
+        queue = prefill = decode = None
+        if t.get("first_scheduled_time") and t.get("arrival_time"):
+            queue = t["first_scheduled_time"] - t["arrival_time"]
+        if t.get("first_token_time") and t.get("first_scheduled_time"):
+            prefill = t["first_token_time"] - t["first_scheduled_time"]
+        if t.get("finished_time") and t.get("first_token_time"):
+            decode = t["finished_time"] - t["first_token_time"]
+        if self.metrics is not None:
+            self.metrics.observe_finished(finish_reason=reason or "stop", prompt_tokens=len(ro.prompt_token_ids),
+                                          generation_tokens=gen, e2e=now - tracked.arrival, queue=queue,
+                                          prefill=prefill, decode=decode)
+        if self.log_requests != "off":
+            msg = (f"request {ro.request_id} finished ({reason}): {len(ro.prompt_token_ids)} prompt + "
+                   f"{gen} generated tokens in {now - tracked.arrival:.3f} s")
+            if self.log_requests in ("stages", "full"):
+                fmt = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
+                msg += f"; queued {fmt(queue)}, prefill {fmt(prefill)}, decode {fmt(decode)}"
+            if self.log_requests == "full":
+                msg += f"; output: {[o.text for o in ro.outputs]!r}"
+            logger.info(msg)
+
+    def _log_received(self, request_id: str, req: Any, params: SamplingParams, prompt_text: str | None) -> None:
+        if self.log_requests == "off":
+            return
+        msg = (f"request {request_id} received: {len(req.prompt_token_ids)} prompt tokens, n={params.n}, "
+               f"max_tokens={params.max_tokens}, temperature={params.temperature}")
+        if self.log_requests == "full":
+            msg += f", prompt={prompt_text if prompt_text is not None else req.prompt_token_ids!r}"
+            msg += f", params={params!r}"
+        logger.info(msg)

@@ -1,0 +1,205 @@
+"""`tokenloom serve`: the API server process (uvicorn) plus the EngineCore process.
+
+Start-up: the engine process loads the weights and allocates the KV cache (it prints its
+own progress bars), the tokenizer loads meanwhile, then uvicorn binds and one line says
+where the server is, which model, the KV blocks and how many full-length requests fit.
+
+Shutdown (SIGTERM / SIGINT): stop accepting, answer new requests on open connections
+with 503, give in-flight requests ``--shutdown-timeout`` seconds, end the rest with an
+error, stop the engine process, exit 0. A second signal skips the wait. The engine
+process dies with this one even when it is killed (PR_SET_PDEATHSIG + parent watch).
+
+Every option can also be set with an environment variable ``TOKENLOOM_<NAME>``
+(e.g. ``TOKENLOOM_PORT=9000``, ``TOKENLOOM_API_KEY=...``); a flag wins over it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import uvicorn
+
+from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
+from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
+from tokenloom.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState
+
+logger = logging.getLogger("tokenloom.server")
+
+
+def _env(name: str, default: Any, kind=str) -> Any:
+    raw = os.environ.get("TOKENLOOM_" + name.upper())
+    if raw is None:
+        return default
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"error: environment variable TOKENLOOM_{name.upper()}={raw!r} is not a valid "
+                         f"{kind.__name__}") from None
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Engine flags plus the server's; each defaults to TOKENLOOM_<NAME> when set."""
+    from tokenloom.config import add_engine_args
+
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+
+    def opt(name: str, kind, default, help: str, **kw) -> None:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=_env(name, default, kind),
+                       help=help + (f" (default {default})" if default is not None else ""), **kw)
+
+    def flag(name: str, help: str) -> None:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true",
+                       default=_env(name, False, bool), help=help)
+
+    opt("host", str, "127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    opt("port", int, 8000, "port to listen on (0: any free port)")
+    opt("served_model_name", str, None, "model name clients send and see (default: the model argument)")
+    opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
+    flag("protect_metrics", "require the API key on /metrics too")
+    opt("shutdown_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    opt("max_request_body_bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413")
+    opt("log_requests", str, "off", "request logging: off | lifecycle | stages | full", choices=LOG_LEVELS)
+    opt("log_level", str, "info", "log level of the server and engine: debug | info | warning | error")
+    flag("access_log", "log one line per HTTP request (uvicorn access log)")
+    opt("engine_heartbeat_timeout", float, 30.0, "declare the engine dead after this many seconds of silence")
+    opt("engine_startup_timeout", float, None, "give up if the engine is not ready within this many seconds")
+    return parser
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a draining shutdown: signals start `drain()` instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:  # called from the signal handler
+        loop = self.loop
+        if self.state.draining or loop is None:
+            logger.warning("second signal: shutting down now")
+            self.force_exit = True
+            self.should_exit = True
+            if loop is not None:
+                loop.call_soon_threadsafe(self.engine.fail_all, ServerShuttingDownError("the server is shutting down"))
+            return
+        self.state.draining = True
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        for server in self.servers:  # stop accepting connections
+            server.close()
+        n = self.engine.num_inflight
+        logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", n, self.shutdown_timeout)
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.engine.num_inflight and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if self.engine.num_inflight:
+            logger.warning("shutdown timeout: ending %d request(s) with an error", self.engine.num_inflight)
+            self.engine.fail_all(ServerShuttingDownError("the server is shutting down"))
+            await asyncio.sleep(0.5)  # let the error responses go out
+        self.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def ready_line(url: str, engine: AsyncLLM) -> str:
+    info = engine.info
+    blocks, block_size = info.get("num_blocks"), info.get("block_size")
+    max_len = engine.max_model_len
+    fit = info.get("full_length_requests")
+    if fit is None and blocks and block_size and max_len:
+        fit = int(blocks) * int(block_size) // int(max_len)
+    return (f"tokenloom serving {engine.served_model_name} at {url} | KV cache: {blocks} blocks x {block_size} "
+            f"tokens | {fit} full-length ({max_len}-token) requests fit")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from tokenloom.config import EngineConfig
+
+    config = EngineConfig.from_args(args)
+    served = args.served_model_name or config.model.served_model_name or config.model.model
+    print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    engine = AsyncLLM(config, served_model_name=served, heartbeat_timeout=args.engine_heartbeat_timeout,
+                      log_requests=args.log_requests)
+    try:
+        await engine.start(startup_timeout=args.engine_startup_timeout)
+    except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
+        print(f"tokenloom: the engine failed to start: {e}", file=sys.stderr, flush=True)
+        engine.client.shutdown()
+        return 1
+    print(f"tokenloom: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    state = ServerState()
+    settings = ServerSettings(served_model_names=[served], api_key=args.api_key,
+                              protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes)
+    app = build_app(engine, settings, state)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"tokenloom: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr, flush=True)
+        engine.shutdown()
+        return 1
+    host, port = sock.getsockname()[:2]
+    shown_host = f"[{host}]" if ":" in host else host
+    uv_config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log,
+                               timeout_graceful_shutdown=5, lifespan="off", timeout_keep_alive=5)
+    server = _Server(uv_config, engine, state, args.shutdown_timeout)
+    server.loop = asyncio.get_running_loop()
+
+    async def announce() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(ready_line(f"http://{shown_host}:{port}", engine), flush=True)
+
+    announcer = asyncio.ensure_future(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        engine.shutdown()
+        sock.close()
+    logger.info("tokenloom server stopped")
+    return 0
+
+
+def run_server(args: argparse.Namespace) -> int:
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENLOOM_LOG_LEVEL", logging.getLevelName(level))
+    return asyncio.run(serve(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenloom serve", description="OpenAI-compatible server")
+    add_serve_args(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The FastAPI application: routes, auth, body limits, error shapes.
+
+`build_app(engine, settings)` wires an already started `AsyncLLM` into a new app; the
+server process (api_server.py) runs it under uvicorn.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import tokenloom
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.openai.errors import (BodyGuardMiddleware, NotFoundError, error_body,
+                                                 install_error_handlers)
+from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   TokenizeRequest)
+from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_engine import ServerState
+from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    protect_metrics: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    system_fingerprint: str | None = None
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check (constant-time compare) on every path but /health (and /metrics
+    unless protected); answers 401 in the OpenAI error shape."""
+
+    def __init__(self, app, api_key: str, protect_metrics: bool = False) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        token = b""
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = rest.strip()
+            elif name.lower() == b"x-api-key" and not token:
+                token = value.strip()
+        if hmac.compare_digest(token, self.key):
+            return await self.app(scope, receive, send)
+        message = "Incorrect API key provided." if token else "Missing API key: send 'Authorization: Bearer <key>'."
+        body = json.dumps(error_body(message, "invalid_request_error", None, "invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState()
+    names = settings.served_model_names or [engine.served_model_name]
+    fingerprint = settings.system_fingerprint or f"tokenloom-{tokenloom.__version__}"
+    chat = OpenAIServingChat(engine, names, state, fingerprint)
+    completion = OpenAIServingCompletion(engine, names, state, fingerprint)
+    tokenization = OpenAIServingTokenization(engine, names, state, fingerprint)
+    created = int(time.time())
+
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__,
+                  description="OpenAI-compatible API of the tokenloom inference engine.")
+    app.state.engine = engine
+    app.state.server_state = state
+    install_error_handlers(app)
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "tokenloom",
+                "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await completion.create(request, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id not in names:
+            raise NotFoundError(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return tokenization.detokenize(request)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if not engine.is_healthy:
+            return JSONResponse({"status": "engine_dead", "reason": engine.dead_reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version():
+        return {"version": tokenloom.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        m = engine.metrics
+        if m is None:
+            return Response(b"", media_type="text/plain")
+        m.observe_engine_stats(engine.engine_stats)
+        return Response(m.render(), media_type=m.content_type)
+
+    return app

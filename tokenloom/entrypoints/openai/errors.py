@@ -1,0 +1,236 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+* `APIError` (and its subclasses) is what the serving code raises;
+* `install_error_handlers(app)` maps pydantic / FastAPI validation errors to 400 with
+  ``param`` naming the field, Starlette HTTP errors to the same shape, and anything
+  unexpected to 500;
+* `BodyGuardMiddleware` answers malformed requests before they reach FastAPI: wrong
+  content type (400) and oversized bodies (413), also for chunked uploads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("tokenloom.server")
+
+
+class APIError(Exception):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status_code: int | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+        if status_code is not None:
+            self.status_code = status_code
+        if error_type is not None:
+            self.error_type = error_type
+
+    def to_dict(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+class BadRequestError(APIError):
+    status_code = 400
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
+class NotFoundError(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ServerError(APIError):
+    status_code = 500
+    error_type = "server_error"
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "server_error"
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, error_type: str | None = None, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    if error_type is None:
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status)
+
+
+# ------------------------------------------------------------------ validation errors
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+def _param_path(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union type tags are dropped."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _is_type_tag(part):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def _clean(msg: str) -> str:
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def validation_error_to_api_error(errors: list[dict[str, Any]]) -> APIError:
+    """Turn pydantic's error list into one readable 400 naming the first bad field."""
+    if not errors:
+        return BadRequestError("invalid request")
+    first = errors[0]
+    if first.get("type") in ("json_invalid", "json_type"):
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error") or first.get("msg")
+        return BadRequestError(f"request body is not valid JSON: {detail}", code="invalid_json")
+    loc = tuple(first.get("loc", ()))
+    if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return BadRequestError("request body must be a JSON object", code="invalid_json")
+    param = _param_path(loc)
+    top = loc[1] if len(loc) > 1 and loc[0] == "body" else (loc[0] if loc else None)
+    same_field = [e for e in errors if len(e.get("loc", ())) > 1 and e["loc"][1] == top] if top else []
+    tags = []
+    for e in same_field:
+        tag = next((p for p in e["loc"][2:] if _is_type_tag(p)), None)
+        if tag and tag not in tags:
+            tags.append(tag)
+    if len(tags) > 1:
+        message = f"{param or top}: expected one of {', '.join(tags)}"
+    else:
+        msg = _clean(str(first.get("msg", "invalid value")))
+        message = f"{param}: {msg}" if param else msg
+        if first.get("type") == "missing":
+            message = f"{param}: field required"
+    return BadRequestError(message, param=param, code="invalid_value" if first.get("type") != "missing"
+                           else "missing_required_parameter")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return validation_error_to_api_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "error"
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        return error_response(status, message, code=code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+# ------------------------------------------------------------------ body guard (pure ASGI)
+
+class BodyGuardMiddleware:
+    """Reject wrong content types (400) and bodies over `max_body_bytes` (413) up front.
+
+    The body is read here (bounded) and replayed to the app, so FastAPI never sees an
+    oversized one; after the body, `receive` passes through so disconnects still arrive.
+    """
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            return await self._reject(send, 400, f"Content-Type must be application/json, got {ctype!r}",
+                                      "invalid_content_type")
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body_bytes:
+                    return await self._reject(send, 413, self._too_large(), "request_too_large")
+            except ValueError:
+                return await self._reject(send, 400, "invalid Content-Length header", "invalid_request")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                return await self._reject(send, 413, self._too_large(), "request_too_large")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body too large: the limit is {self.max_body_bytes} bytes"
+
+    @staticmethod
+    async def _reject(send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,277 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with size limits.
+
+Field names follow OpenAI; the engine's extras (vLLM names) sit beside them in the
+same body. Ranges that do not depend on the engine are checked here, so a bad value
+fails with a 400 whose ``param`` names the field; limits set by the engine config
+(max n, max logprobs, stop list sizes...) are checked by `SamplingParams.validate_limits`.
+
+Responses are built as plain dicts by the serving classes (see serving_*.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+# Hard caps on request shapes (the body size limit caps strings and everything else).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_PROMPTS = 256
+MAX_STOP = 64
+MAX_TOKEN_LIST = 65536
+MAX_LOGIT_BIAS = 4096
+MAX_BAD_WORDS = 1024
+MAX_REQUEST_ID_LEN = 256
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored (as OpenAI-compatible servers do), never an error.
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+TokenIds = list[int]
+StopField = Optional[Union[str, list[str]]]
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = Field(None, max_length=1024)
+    n: Optional[int] = Field(1, ge=1, le=1024)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: StopField = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS)
+    user: Optional[str] = Field(None, max_length=1024)
+
+    # ---- engine extras (vLLM names)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP * 16)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: Optional[list[str]] = Field(None, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: Optional[list[int]] = Field(None, max_length=MAX_TOKEN_LIST)
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
+    priority: int = 0
+    request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
+    return_token_ids: bool = False
+    cache_salt: Optional[str] = Field(None, max_length=1024)
+
+    # ---- accepted for the structured-outputs issue (not acted on yet)
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        if isinstance(v, list):
+            if len(v) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop sequences")
+            if any(not s for s in v):
+                raise ValueError("stop sequences must be non-empty strings")
+        elif isinstance(v, str) and not v:
+            raise ValueError("stop must be a non-empty string")
+        return v
+
+    @field_validator("stop_token_ids", "allowed_token_ids")
+    @classmethod
+    def _check_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v):
+        if v is not None:
+            for key, bias in v.items():
+                if not key.isascii() or not key.isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# ------------------------------------------------------------------ chat
+
+class ChatMessage(OpenAIBaseModel):
+    # Extra keys (name, tool_calls, tool_call_id, reasoning_content...) are kept for the template.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_parts(cls, v):
+        if isinstance(v, list):
+            if len(v) > MAX_CONTENT_PARTS:
+                raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts")
+            for part in v:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs a string 'text'")
+        return v
+
+    def text_content(self) -> Optional[str]:
+        if isinstance(self.content, list):
+            return "".join(part["text"] for part in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = Field(None, max_length=256 * 1024)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    # ---- accepted for the tools / reasoning issue (passed to the template only)
+    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=1024)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+
+    # Cross-field checks sit on the later field so that the error names it.
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, v, info: ValidationInfo):
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt to false)")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs to be true")
+        return v
+
+    @property
+    def effective_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ------------------------------------------------------------------ completions
+
+PromptField = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField
+    suffix: Optional[str] = None
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0)
+    best_of: Optional[int] = Field(None, ge=1, le=1024)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if isinstance(v[0], list):
+                if len(v) > MAX_PROMPTS:
+                    raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+                for ids in v:
+                    if not ids:
+                        raise ValueError("a token-id prompt must not be empty")
+                    if len(ids) > MAX_TOKEN_LIST or any(t < 0 for t in ids):
+                        raise ValueError("token-id prompts must be lists of ints >= 0")
+            elif isinstance(v[0], str):
+                if len(v) > MAX_PROMPTS:
+                    raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            else:
+                if len(v) > MAX_TOKEN_LIST or any(t < 0 for t in v):
+                    raise ValueError("token-id prompts must be lists of ints >= 0")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported: tokenloom has no fill-in-the-middle mode")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v, info: ValidationInfo):
+        n = info.data.get("n") or 1
+        if v is not None and v < n:
+            raise ValueError(f"best_of must be >= n ({n})")
+        if v is not None and v > n and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed")
+        return v
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+# ------------------------------------------------------------------ tokenize
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = Field(None, max_length=1024)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = Field(None, max_length=256 * 1024)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = Field(None, max_length=1024)
+    tokens: list[int] = Field(..., max_length=MAX_TOKEN_LIST)
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_ids(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v

@@ -1,0 +1,169 @@
+"""POST /v1/chat/completions: chat template -> token ids -> engine -> chat.completion(.chunk)."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
+                                                         OpenAIServing, completion_tokens,
+                                                         engine_error_to_api_error, run_cancellable, sse,
+                                                         stream_error_chunk)
+from tokenloom.outputs import RequestOutput
+
+# Names apply_chat_template takes itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "continue_final_message",
+                             "chat_template"}
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    def render_prompt(self, request: Any) -> tuple[str, list[int]]:
+        """Apply the chat template; returns (prompt text, token ids). Template errors are 400s."""
+        from tokenloom.tokenizer.chat_template import ChatTemplateError
+
+        messages = []
+        for m in request.messages:
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text_content() if m.content is not None else ""
+            messages.append(d)
+        kwargs = dict(request.chat_template_kwargs or {})
+        clash = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
+        if clash:
+            raise BadRequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
+                                  param="chat_template_kwargs")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt,
+                tools=getattr(request, "tools", None), continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template, **kwargs)
+        except ChatTemplateError as e:
+            param = "chat_template" if request.chat_template else "messages"
+            raise BadRequestError(f"chat template failed: {e}", param=param, code="invalid_value") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_request(request)
+        request_id = self.request_id(request, "chatcmpl")
+        text, prompt_ids = self.render_prompt(request)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens=request.effective_max_tokens, logprobs=logprobs,
+                                      default_max_tokens=None)
+        engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
+                                             prompt_param="messages")
+        gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
+                                   engine_request=engine_request, prompt_text=text, priority=request.priority)
+        created = int(time.time())
+        if request.stream:
+            return DisconnectAwareStreamingResponse(self._stream(request, gen, request_id, created),
+                                                    media_type="text/event-stream",
+                                                    headers={"Cache-Control": "no-cache"})
+        result = await run_cancellable(raw_request, self._full(request, gen, request_id, created))
+        if result is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
+        return JSONResponse(result)
+
+    # ------------------------------------------------------------------ non-streamed
+
+    async def _full(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
+                    created: int) -> dict[str, Any]:
+        final: RequestOutput | None = None
+        try:
+            async for out in gen:
+                final = out
+        except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error
+            raise engine_error_to_api_error(e) from None
+        assert final is not None
+        choices = []
+        for o in final.outputs:
+            choice: dict[str, Any] = {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if request.logprobs and o.logprobs is not None:
+                choice["logprobs"] = {"content": self.chat_logprobs(o.token_ids, o.logprobs,
+                                                                    request.top_logprobs or 0)}
+            if request.return_token_ids:
+                choice["token_ids"] = list(o.token_ids)
+            choices.append(choice)
+        body: dict[str, Any] = {
+            "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+            "system_fingerprint": self.system_fingerprint, "choices": choices,
+            "usage": self.usage(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
+        }
+        if request.return_token_ids:
+            body["prompt_token_ids"] = list(final.prompt_token_ids)
+        return body
+
+    # ------------------------------------------------------------------ streamed
+
+    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
+               usage: dict[str, Any] | None = None, with_usage_key: bool = False) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                "model": self.model_name, "system_fingerprint": self.system_fingerprint,
+                                "choices": choices}
+        if usage is not None or with_usage_key:
+            body["usage"] = usage
+        return sse(body)
+
+    async def _stream(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
+                      created: int) -> AsyncIterator[str]:
+        n = request.n or 1
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        done = [False] * n
+        include_usage = request.include_usage
+        continuous = include_usage and request.continuous_usage
+        prompt_tokens = 0
+        cached = 0
+        generated = 0
+        try:
+            first = True
+            async for out in gen:
+                prompt_tokens = len(out.prompt_token_ids)
+                cached = out.num_cached_tokens
+                generated = completion_tokens(out)
+                usage = self.usage(prompt_tokens, generated, cached) if continuous else None
+                if first:
+                    first = False
+                    for i in range(n):
+                        choice: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}
+                        if request.return_token_ids and i == 0:
+                            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                        yield self._chunk(request_id, created, [choice],
+                                          self.usage(prompt_tokens, 0, cached) if continuous else None,
+                                          include_usage)
+                for o in out.outputs:
+                    i = o.index
+                    if i >= n or done[i]:
+                        continue
+                    delta_text = o.text[sent_text[i]:]
+                    if not delta_text and o.finish_reason is None:
+                        continue  # tokens held back by the detokenizer go out with the next text
+                    new_ids = o.token_ids[sent_tokens[i]:]
+                    choice = {"index": i, "delta": {"content": delta_text}, "logprobs": None,
+                              "finish_reason": o.finish_reason}
+                    if o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                    if request.logprobs and o.logprobs is not None:
+                        choice["logprobs"] = {"content": self.chat_logprobs(
+                            new_ids, o.logprobs[sent_tokens[i]:], request.top_logprobs or 0)}
+                    if request.return_token_ids:
+                        choice["token_ids"] = list(new_ids)
+                    sent_text[i] = len(o.text)
+                    sent_tokens[i] = len(o.token_ids)
+                    done[i] = o.finish_reason is not None
+                    yield self._chunk(request_id, created, [choice], usage, include_usage)
+            if include_usage:
+                yield self._chunk(request_id, created, [], self.usage(prompt_tokens, generated, cached))
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error chunk, then [DONE]
+            yield stream_error_chunk(e)
+        yield SSE_DONE

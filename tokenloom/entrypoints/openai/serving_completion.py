@@ -1,0 +1,165 @@
+"""POST /v1/completions: one or more prompts (text or token ids) -> text_completion(s).
+
+Each prompt becomes its own engine request; choice index = prompt index * n + sequence
+index, as in OpenAI's API. `echo` prepends the prompt (and its logprobs when asked).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.entrypoints.openai.protocol import CompletionRequest
+from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
+                                                         OpenAIServing, completion_tokens,
+                                                         engine_error_to_api_error, merge_generators,
+                                                         run_cancellable, sse, stream_error_chunk)
+from tokenloom.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_request(request)
+        base_id = self.request_id(request, "cmpl")
+        prompts = request.prompts()
+        echo_logprobs = request.echo and request.logprobs is not None
+        params = self.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
+                                      default_max_tokens=16, best_of=request.best_of, echo_logprobs=echo_logprobs)
+        engine_requests = []
+        prompt_texts: list[str] = []
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            engine_requests.append(self.process_inputs(rid, prompt, params.clone(), request.priority,
+                                                       request.cache_salt, prompt_param=param))
+            prompt_texts.append(prompt if isinstance(prompt, str)
+                                else self.tokenizer.decode(list(prompt), skip_special_tokens=False))
+        gens = [self.engine.generate(prompt, er.sampling_params, er.request_id, engine_request=er,
+                                     prompt_text=text, priority=request.priority)
+                for prompt, er, text in zip(prompts, engine_requests, prompt_texts)]
+        created = int(time.time())
+        if request.stream:
+            return DisconnectAwareStreamingResponse(
+                self._stream(request, gens, prompt_texts, base_id, created), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"})
+        result = await run_cancellable(raw_request, self._full(request, gens, prompt_texts, base_id, created))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    # ------------------------------------------------------------------ shared
+
+    def _logprobs(self, request: CompletionRequest, ro: RequestOutput, o: CompletionOutput, echo_text: str | None,
+                  start: int = 0, text_offset: int = 0) -> dict[str, list] | None:
+        if request.logprobs is None or o.logprobs is None:
+            return None
+        top = request.logprobs
+        if echo_text is not None:
+            prompt_lps = ro.prompt_logprobs or [None] * len(ro.prompt_token_ids)
+            lp = self.completion_logprobs(ro.prompt_token_ids + o.token_ids[start:],
+                                          list(prompt_lps) + list(o.logprobs[start:]), top, text_offset)
+        else:
+            lp = self.completion_logprobs(o.token_ids[start:], o.logprobs[start:], top, text_offset)
+        return lp
+
+    def _choice(self, request: CompletionRequest, index: int, text: str, o: CompletionOutput,
+                logprobs: Any, finish: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": o.finish_reason if finish else None}
+        if finish:
+            choice["stop_reason"] = o.stop_reason
+        return choice
+
+    # ------------------------------------------------------------------ non-streamed
+
+    async def _full(self, request: CompletionRequest, gens: list[AsyncIterator[RequestOutput]],
+                    prompt_texts: list[str], request_id: str, created: int) -> dict[str, Any]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        try:
+            async for i, out in merge_generators(gens):
+                finals[i] = out
+        except Exception as e:  # noqa: BLE001
+            raise engine_error_to_api_error(e) from None
+        n = request.n or 1
+        choices = []
+        prompt_tokens = generated = cached = 0
+        for p, ro in enumerate(finals):
+            assert ro is not None
+            prompt_tokens += len(ro.prompt_token_ids)
+            generated += completion_tokens(ro)
+            cached += ro.num_cached_tokens
+            for k, o in enumerate(ro.outputs):
+                echo = prompt_texts[p] if request.echo else None
+                text = (echo or "") + o.text
+                choice = self._choice(request, p * n + k, text, o, self._logprobs(request, ro, o, echo), True)
+                if request.return_token_ids:
+                    choice["prompt_token_ids"] = list(ro.prompt_token_ids)
+                    choice["token_ids"] = list(o.token_ids)
+                choices.append(choice)
+        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "system_fingerprint": self.system_fingerprint, "choices": choices,
+                "usage": self.usage(prompt_tokens, generated, cached)}
+
+    # ------------------------------------------------------------------ streamed
+
+    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
+               usage: dict[str, Any] | None, with_usage_key: bool) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                "model": self.model_name, "system_fingerprint": self.system_fingerprint,
+                                "choices": choices}
+        if usage is not None or with_usage_key:
+            body["usage"] = usage
+        return sse(body)
+
+    async def _stream(self, request: CompletionRequest, gens: list[AsyncIterator[RequestOutput]],
+                      prompt_texts: list[str], request_id: str, created: int) -> AsyncIterator[str]:
+        n = request.n or 1
+        total = n * len(gens)
+        sent_text = [0] * total
+        sent_tokens = [0] * total
+        done = [False] * total
+        echoed = [False] * total
+        include_usage = request.include_usage
+        continuous = include_usage and request.continuous_usage
+        latest: list[RequestOutput | None] = [None] * len(gens)
+
+        def usage_now() -> dict[str, Any]:
+            outs = [ro for ro in latest if ro is not None]
+            return self.usage(sum(len(ro.prompt_token_ids) for ro in outs), sum(completion_tokens(ro) for ro in outs),
+                              sum(ro.num_cached_tokens for ro in outs))
+
+        try:
+            async for p, ro in merge_generators(gens):
+                latest[p] = ro
+                for o in ro.outputs:
+                    k = p * n + o.index
+                    if o.index >= n or done[k]:
+                        continue
+                    delta = o.text[sent_text[k]:]
+                    echo = None
+                    if request.echo and not echoed[k]:
+                        echo = prompt_texts[p]
+                    if not delta and echo is None and o.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None and o.logprobs is not None:
+                        logprobs = self._logprobs(request, ro, o, echo, start=sent_tokens[k])
+                    choice = self._choice(request, k, (echo or "") + delta, o, logprobs, o.finish_reason is not None)
+                    if request.return_token_ids:
+                        if echo is not None or sent_tokens[k] == 0:
+                            choice["prompt_token_ids"] = list(ro.prompt_token_ids)
+                        choice["token_ids"] = list(o.token_ids[sent_tokens[k]:])
+                    echoed[k] = True
+                    sent_text[k] = len(o.text)
+                    sent_tokens[k] = len(o.token_ids)
+                    done[k] = o.finish_reason is not None
+                    yield self._chunk(request_id, created, [choice], usage_now() if continuous else None,
+                                      include_usage)
+            if include_usage:
+                yield self._chunk(request_id, created, [], usage_now(), True)
+        except Exception as e:  # noqa: BLE001
+            yield stream_error_chunk(e)
+        yield SSE_DONE

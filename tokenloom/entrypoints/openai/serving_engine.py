@@ -1,0 +1,338 @@
+"""What /v1/chat/completions and /v1/completions share.
+
+* model name check (404), request ids, the request -> SamplingParams mapping with the
+  server-side defaults (the model's generation_config.json), input errors -> 400;
+* usage, logprob formatting, SSE framing;
+* running a non-streamed handler so that a client disconnect cancels it (and thereby
+  aborts the request in the engine), and a StreamingResponse that always watches for
+  the disconnect.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from tokenloom.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
+                                                 ServiceUnavailableError, error_body)
+from tokenloom.entrypoints.openai.protocol import SamplingFields
+from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenloom.sampling_params import SamplingParams, SamplingParamsError
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ServerShuttingDownError(RuntimeError):
+    """In-flight requests still open when the shutdown timeout ran out."""
+
+
+class ServerState:
+    """Set by the server on shutdown: new requests get 503 while the in-flight ones drain."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+
+
+def engine_error_to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerShuttingDownError):
+        return ServiceUnavailableError(str(exc), code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ServerError(f"the engine failed this request: {exc}", code="engine_error")
+    return ServerError(f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], state: ServerState | None = None,
+                 system_fingerprint: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.state = state or ServerState()
+        self.system_fingerprint = system_fingerprint or "tokenloom"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ checks
+
+    def check_request(self, request: SamplingFields) -> None:
+        if self.state.draining:
+            raise ServiceUnavailableError("the server is shutting down", code="shutting_down")
+        if not self.engine.is_healthy:
+            raise ServerError(f"the engine is not running: {self.engine.dead_reason}", code="engine_dead")
+        if request.model is not None and request.model not in self.served_model_names:
+            raise NotFoundError(f"The model `{request.model}` does not exist. Available: "
+                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+
+    def request_id(self, request: SamplingFields, prefix: str) -> str:
+        if request.request_id:
+            if self.engine.has_request(request.request_id) or any(
+                    self.engine.has_request(f"{request.request_id}-{i}") for i in range(2)):
+                raise BadRequestError(f"request_id {request.request_id!r} is already in use",
+                                      param="request_id", code="duplicate_request_id")
+            return request.request_id
+        return random_id(prefix)
+
+    # ------------------------------------------------------------------ sampling params
+
+    def sampling_params(self, request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                        default_max_tokens: int | None, best_of: int | None = None,
+                        echo_logprobs: bool = False) -> SamplingParams:
+        defaults = self.engine.default_sampling_params()
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(request, name)
+            if value is not None:
+                return value
+            return defaults.get(name, fallback)
+
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens", default_max_tokens)
+        prompt_logprobs = request.prompt_logprobs
+        if echo_logprobs and prompt_logprobs is None:
+            prompt_logprobs = logprobs
+        kwargs = dict(
+            n=request.n if request.n is not None else 1,
+            best_of=best_of,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=dict(request.logit_bias) if request.logit_bias else None,
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=([request.stop] if isinstance(request.stop, str) else list(request.stop or [])),
+            stop_token_ids=list(request.stop_token_ids or []),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            bad_words=list(request.bad_words or []),
+            allowed_token_ids=request.allowed_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as e:
+            raise BadRequestError(str(e), param=getattr(e, "field", None), code="invalid_value") from None
+        except (ValueError, TypeError) as e:
+            raise BadRequestError(str(e), code="invalid_value") from None
+
+    def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int, cache_salt: str | None, prompt_param: str = "prompt"):
+        """Tokenize and validate one prompt; input errors become 400 naming the field."""
+        from tokenloom.engine.input_processor import RequestValidationError
+
+        try:
+            return self.engine.process_inputs(request_id, prompt, params, priority=priority,
+                                              arrival_time=time.time(), cache_salt=cache_salt)
+        except RequestValidationError as e:
+            param = e.param
+            cause = e.__cause__ or e.__context__
+            if param is None and isinstance(cause, SamplingParamsError):
+                param = cause.field
+            if param == "prompt":
+                param = prompt_param
+            raise BadRequestError(e.message, param=param, code=e.code or "invalid_value") from None
+        except SamplingParamsError as e:
+            raise BadRequestError(str(e), param=e.field, code="invalid_value") from None
+
+    # ------------------------------------------------------------------ formatting
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def token_str(self, token_id: int, lp: Any = None) -> str:
+        if lp is not None and getattr(lp, "decoded_token", None) is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top: int) -> list[dict]:
+        content = []
+        for tid, pos in zip(token_ids, logprobs):
+            chosen = pos.get(tid)
+            tok = self.token_str(tid, chosen)
+            entry = {"token": tok, "logprob": _finite(chosen.logprob if chosen else float("-inf")),
+                     "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30))
+            for alt_id, alt in ranked[:top]:
+                alt_tok = self.token_str(alt_id, alt)
+                entry["top_logprobs"].append({"token": alt_tok, "logprob": _finite(alt.logprob),
+                                              "bytes": list(alt_tok.encode("utf-8"))})
+            content.append(entry)
+        return content
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs | None], top: int,
+                            text_offset: int = 0) -> dict[str, list]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = text_offset
+        for tid, pos in zip(token_ids, logprobs):
+            if pos is None:  # first prompt position: no logprob
+                tok = self.token_str(tid)
+                out["tokens"].append(tok)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                chosen = pos.get(tid)
+                tok = self.token_str(tid, chosen)
+                out["tokens"].append(tok)
+                out["token_logprobs"].append(_finite(chosen.logprob if chosen else float("-inf")))
+                ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30))
+                out["top_logprobs"].append({self.token_str(i, lp): _finite(lp.logprob) for i, lp in ranked[:top]})
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf: clamp like other OpenAI-compatible servers do.
+    return max(x, -9999.0) if x == x else -9999.0
+
+
+# ------------------------------------------------------------------ request execution helpers
+
+async def run_cancellable(raw_request: Request, coro: Awaitable[Any]) -> Any:
+    """Await `coro`, cancelling it if the client disconnects first (then returns None)."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - the client is gone; nothing to report to it
+        pass
+    return None
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """Streams the body while listening for the client's disconnect, whatever the ASGI spec
+    version: on disconnect the body iterator is cancelled, which aborts the request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream_task = asyncio.ensure_future(self.stream_response(send))
+
+        async def wait_disconnect() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(wait_disconnect())
+        try:
+            done, _ = await asyncio.wait({stream_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            stream_task.cancel()
+            watcher.cancel()
+            raise
+        if watcher in done:
+            stream_task.cancel()
+            try:
+                await stream_task
+            except BaseException:  # noqa: BLE001
+                pass
+        else:
+            watcher.cancel()
+            stream_task.result()
+
+
+def stream_error_chunk(exc: BaseException) -> str:
+    err = engine_error_to_api_error(exc)
+    body = error_body(err.message, err.error_type, err.param, err.code)
+    body["error"]["status_code"] = err.status_code
+    return sse(body)
+
+
+async def merge_generators(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, yielding (index, item); closes all on exit."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item, None))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, None, e))
+            return
+        await queue.put((i, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise RuntimeError("a generation was cancelled")
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        # Let each cancelled pump unwind its generator (which aborts its request).
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def completion_tokens(ro: RequestOutput) -> int:
+    return sum(len(o.token_ids) for o in ro.outputs)
+
+
+def finish_fields(o: CompletionOutput) -> tuple[str | None, Any]:
+    return o.finish_reason, o.stop_reason
