@@ -1,0 +1,101 @@
+"""Session-scoped fixtures shared by the unit and e2e tests (loading a model costs seconds, so each is
+loaded once per session). This folder is on sys.path, so tests can ``import helpers``."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import helpers
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> str:
+    from tokenloom.model.loader.resolve import embedded_model_path
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def embedded_loaded(embedded_path):
+    """Our engine's load of the embedded model (float32, CPU)."""
+    from tokenloom.model.loader import load_model
+    return load_model(embedded_path, torch.float32, torch.device("cpu"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded(embedded_path):
+    """transformers' load of the same GGUF file (float32)."""
+    return helpers.load_hf_from_gguf(embedded_path)
+
+
+@contextlib.contextmanager
+def _reuse_loaded(loaded_by_path: dict):
+    """Make build_engine reuse already loaded weights for known paths (loading is deterministic)."""
+    import tokenloom.engine.setup as setup
+    from tokenloom.model.loader.resolve import resolve_model_path
+    real = setup.load_model
+
+    def load(model, dtype, device, progress=True):
+        key = (resolve_model_path(model), dtype, torch.device(device))
+        if key not in loaded_by_path:
+            loaded_by_path[key] = real(model, dtype, device, progress=progress)
+        return loaded_by_path[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(setup, "load_model", load)
+        yield
+
+
+@pytest.fixture(scope="session")
+def make_llm(embedded_path, embedded_loaded):
+    """``make_llm(**engine_args)``: an LLM on the embedded model that shares one loaded copy of the weights
+    (each LLM still has its own KV cache, scheduler and config)."""
+    from tokenloom import LLM
+    loaded = {(embedded_path, torch.float32, torch.device("cpu")): embedded_loaded}
+
+    def make(**engine_args):
+        engine_args.setdefault("dtype", "float32")
+        engine_args.setdefault("device", "cpu")
+        engine_args.setdefault("log_stats_interval", 0)
+        with _reuse_loaded(loaded):
+            return LLM(progress=False, **engine_args)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """``tiny_models(kind) -> (folder, hf_model)``: a tiny random transformers model saved as a HF folder,
+    built once per session (kinds: helpers.TINY_VARIANTS)."""
+    built: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(kind: str):
+        if kind not in built:
+            model = helpers.build_tiny_model(kind)
+            folder = helpers.save_tiny_model(model, str(tmp_path_factory.mktemp(f"tiny_{kind}")))
+            built[kind] = (folder, model)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_core(tiny_models):
+    """``make_core(kind="llama", **engine_args)``: an EngineCore on a tiny random model (weights loaded once
+    per kind)."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.core import EngineCore
+    loaded: dict = {}
+
+    def make(kind: str = "llama", **engine_args):
+        folder, _ = tiny_models(kind)
+        engine_args.setdefault("dtype", "float32")
+        engine_args.setdefault("device", "cpu")
+        engine_args.setdefault("log_stats_interval", 0)
+        if "num_blocks" not in engine_args:
+            engine_args.setdefault("kv_cache_memory", 0.05)
+        with _reuse_loaded(loaded):
+            return EngineCore(EngineConfig.from_kwargs(model=folder, **engine_args), progress=False)
+
+    return make

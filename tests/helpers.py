@@ -1,0 +1,215 @@
+"""Shared test helpers: a flat-batch forward over a contiguous KV allocation, tiny HF model folders,
+transformers references, and a minimal driver for EngineCore.
+
+Importable from any test module as ``import helpers`` (tests/conftest.py puts this folder on sys.path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Our model over one flat batch, with a simple contiguous KV allocation
+# ---------------------------------------------------------------------------------------------
+def allocate_contiguous(model, prompts: Sequence[Sequence[int]], block_size: int, extra_tokens: int = 0):
+    """KV caches ``[2, blocks, block_size, kv_heads, head_dim]`` per layer, and for each sequence a
+    table of consecutive blocks with room for its prompt plus ``extra_tokens``."""
+    cfg = model.config
+    param = next(model.parameters())
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + extra_tokens) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    caches = [torch.zeros(2, max(next_block, 1), block_size, cfg.num_kv_heads, cfg.head_dim,
+                          dtype=param.dtype, device=param.device) for _ in range(cfg.num_layers)]
+    return caches, tables
+
+
+@torch.inference_mode()
+def flat_prefill(model, chunks: Sequence[tuple[Sequence[int], int]], tables: Sequence[Sequence[int]],
+                 caches: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """One forward over a flat batch of prefill chunks, through the real AttentionMetadata interface.
+
+    ``chunks[i] = (token_ids, start)``: sequence i's tokens at positions start..start+len-1 (earlier
+    positions must already be in its KV blocks). Returns the logits of each chunk's last token [B, V]."""
+    device = next(model.parameters()).device
+    ids, pos, slots, prefills, last_rows = [], [], [], [], []
+    for (tokens, start), table in zip(chunks, tables):
+        first = len(ids)
+        end = start + len(tokens)
+        ids.extend(tokens)
+        pos.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        prefills.append(PrefillChunk(first, len(ids), end, torch.tensor(table, device=device)))
+        last_rows.append(len(ids) - 1)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), num_decodes=0,
+                             decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+                             prefills=prefills)
+    hidden = model(torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(pos, dtype=torch.long, device=device), caches, meta)
+    return model.compute_logits(hidden[torch.tensor(last_rows, device=device)])
+
+
+def last_logits(model, prompts: Sequence[Sequence[int]], block_size: int = 16,
+                split_at: int | None = None) -> torch.Tensor:
+    """Our model's logits at each prompt's last position [B, V], all prompts in one flat batch.
+
+    With ``split_at``, every prompt longer than it is prefilled in two flat batches (its first
+    ``split_at`` tokens, then the rest attending to them through the paged KV cache)."""
+    caches, tables = allocate_contiguous(model, prompts, block_size)
+    if split_at is not None:
+        heads = [(p[:split_at], 0) for p in prompts]
+        flat_prefill(model, heads, tables, caches, block_size)
+        return flat_prefill(model, [(p[split_at:], split_at) if len(p) > split_at else (p, 0) for p in prompts],
+                            tables, caches, block_size)
+    return flat_prefill(model, [(p, 0) for p in prompts], tables, caches, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers references
+# ---------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def hf_last_logits(hf_model, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """transformers' logits at each prompt's last position, one unpadded forward per prompt [B, V]."""
+    return torch.stack([hf_model(torch.tensor([list(p)])).logits[0, -1].float() for p in prompts])
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers ``generate(do_sample=False)`` for exactly ``max_new_tokens`` tokens (EOS ignored)."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                           pad_token_id=0, num_beams=1)
+    ids = torch.tensor([list(prompt)])
+    saved = hf_model.generation_config.eos_token_id  # generate() falls back to the model's EOS otherwise
+    hf_model.generation_config.eos_token_id = None
+    try:
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    finally:
+        hf_model.generation_config.eos_token_id = saved
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens
+
+
+@torch.inference_mode()
+def hf_log_softmax(hf_model, token_ids: Sequence[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits over a whole sequence [T, V]; row t predicts token t+1."""
+    return torch.log_softmax(hf_model(torch.tensor([list(token_ids)])).logits[0].float(), dim=-1)
+
+
+def load_hf_from_gguf(path: str, dtype: torch.dtype = torch.float32):
+    """transformers' model for a GGUF file: its own config mapping and dequantization, without accelerate
+    (which ``from_pretrained(gguf_file=...)`` insists on)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    folder, name = os.path.split(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert set(missing) <= allowed_missing and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random HF models, saved as folders our engine loads
+# ---------------------------------------------------------------------------------------------
+TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                   initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_VARIANTS = {
+    "llama": ("LlamaConfig", {}),
+    "llama3_rope": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama_tied_gqa": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 2}),
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False}),
+}
+
+
+def build_tiny_model(kind: str, seed: int = 0):
+    """A tiny random transformers model of ``kind`` (see TINY_VARIANTS), float32, eval mode.
+
+    Norm weights and biases are randomized too (HF initializes them to 1 and 0), so a loader that
+    drops or swaps them cannot pass."""
+    import transformers
+    config_cls, overrides = TINY_VARIANTS[kind]
+    config = getattr(transformers, config_cls)(**{**TINY_COMMON, **overrides})
+    if kind == "qwen2":
+        assert config.model_type == "qwen2"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_model(model, folder: str) -> str:
+    """save_pretrained (safetensors) plus a minimal generation_config.json."""
+    model.save_pretrained(folder, safe_serialization=True)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving EngineCore directly (token ids in, token ids out)
+# ---------------------------------------------------------------------------------------------
+def make_request(rid: str, prompt: Sequence[int], params, priority: int = 0, cache_salt: str | None = None,
+                 eos_token_ids: Sequence[int] = (2,), arrival_time: float | None = None):
+    from tokenloom.engine.messages import EngineCoreRequest
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
+                             arrival_time=time.time() if arrival_time is None else arrival_time,
+                             priority=priority, eos_token_ids=list(eos_token_ids), cache_salt=cache_salt)
+
+
+def greedy_params(max_tokens: int = 32, **kw):
+    from tokenloom.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run_to_completion(core, max_steps: int = 100_000, on_step=None) -> dict[tuple[str, int], list[int]]:
+    """Step an EngineCore until idle; returns the generated token ids per (request_id, index)."""
+    out: dict[tuple[str, int], list[int]] = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+        steps += 1
+        if on_step is not None:
+            on_step(core, steps)
+        assert steps < max_steps, "engine did not finish"
+    return out
+
+
+def generate_tokens(core, prompts: Sequence[Sequence[int]], params, prefix: str = "r") -> list[list[int]]:
+    """Add every prompt to ``core`` at once, run to completion, return outputs in prompt order."""
+    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        core.add_request(make_request(f"{prefix}{i}", p, sp))
+    out = run_to_completion(core)
+    return [out.get((f"{prefix}{i}", 0), []) for i in range(len(prompts))]
+
+
+def random_prompts(n: int, lengths: Sequence[int], vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """``n`` prompts of token ids in [low, vocab) with the given lengths (cycled)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
