@@ -1,0 +1,325 @@
+"""`tokenloom bench serve`: a load generator for any OpenAI-compatible server.
+
+It builds a prompt set (random, shared-prefix or a jsonl file), sends the requests as
+streaming completions or chat completions at a given request rate (Poisson or gamma
+arrivals) under an optional concurrency cap, and reports throughput and latency
+(TTFT, TPOT, ITL, end to end) measured on the client side, with token counts from the
+server's ``usage``. ``--sweep`` repeats the run for several concurrencies; ``--plot``
+draws the sweep. Only HTTP is used, so it measures tokenloom, vLLM or llama.cpp alike.
+
+Exit status: 0 when every request succeeded, 1 when some failed (the report is still
+printed and written), 2 on a usage or connection error before the run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from typing import Any, AsyncIterator, Sequence
+
+import httpx
+
+from tokenloom.bench import datasets, report
+from tokenloom.bench.client import ENDPOINTS, RequestResult, build_payload, send_request
+from tokenloom.bench.datasets import BenchPrompt
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _concurrency_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise argparse.ArgumentTypeError(f"concurrencies must be positive integers, got {text!r}")
+    return out
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("Load test of an OpenAI-compatible server (tokenloom, vLLM, llama.cpp, ...): streaming "
+                     "requests, client-side TTFT/TPOT/ITL/E2E latency, throughput from the server's usage.")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                   help=f"server root, with or without /v1 (default {DEFAULT_BASE_URL})")
+    g.add_argument("--model", default=None, help="model name to send (default: the first id from GET /v1/models)")
+    g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
+                   help="completions (/v1/completions) or chat (/v1/chat/completions); default completions")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default $OPENAI_API_KEY)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
+    d.add_argument("--num-prompts", type=_positive_int, default=100)
+    d.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (shared-prefix: tokens after the prefix); default 256")
+    d.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request (default 128)")
+    d.add_argument("--range-ratio", type=float, default=0.0,
+                   help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: fixed)")
+    d.add_argument("--num-groups", type=_positive_int, default=1,
+                   help="shared-prefix: number of distinct prefixes (default 1)")
+    d.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: prefix tokens (default 1000)")
+    d.add_argument("--dataset-path", default=None,
+                   help='jsonl: one {"prompt": ...} per line (optional "system", "output_len")')
+    d.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="do not ask the server's /tokenize how many tokens the random words make")
+    d.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
+
+    lg = p.add_argument_group("load")
+    lg.add_argument("--max-concurrency", type=_positive_int, default=None,
+                    help="at most this many requests in flight (default: no limit)")
+    lg.add_argument("--request-rate", type=float, default=math.inf,
+                    help="requests per second (default inf: all at once, limited by --max-concurrency)")
+    lg.add_argument("--burstiness", type=float, default=1.0,
+                    help="shape of the gamma inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
+    lg.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos so every request generates exactly its max_tokens")
+    lg.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    lg.add_argument("--sweep", type=_concurrency_list, default=None, metavar="C1,C2,...",
+                    help="run once per max concurrency in this list, e.g. 1,4,16,64")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--slo", default=None, metavar="ttft=MS,tpot=MS",
+                   help="goodput: requests/s meeting every limit (keys ttft, tpot, e2el; milliseconds)")
+    o.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                   help="write the configuration, the summaries and per-request records as JSON")
+    o.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="with --sweep: plot output tokens/s against TTFT p50 and TPOT p50")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_serve_bench)
+
+
+# ---------------------------------------------------------------------------------- server
+
+def api_base(base_url: str) -> tuple[str, str]:
+    """(server root, OpenAI base ending in /v1) from a URL given with or without /v1."""
+    url = base_url.rstrip("/")
+    root = url[:-3] if url.endswith("/v1") else url
+    return root, root + "/v1"
+
+
+def fetch_model(client: httpx.Client, api: str) -> dict[str, Any]:
+    resp = client.get(api + "/models")
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"GET {api}/models listed no models; pass --model")
+    return data[0]
+
+
+def count_tokens(client: httpx.Client, root: str, model: str, text: str) -> int | None:
+    """Token count of ``text`` from the server's /tokenize (vLLM/tokenloom shape, then
+    llama.cpp's), or None where there is no such endpoint."""
+    for body in ({"model": model, "prompt": text, "add_special_tokens": False}, {"content": text}):
+        try:
+            resp = client.post(root + "/tokenize", json=body)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            continue
+        try:
+            obj = resp.json()
+        except ValueError:
+            continue
+        if isinstance(obj.get("count"), int):
+            return obj["count"]
+        if isinstance(obj.get("tokens"), list):
+            return len(obj["tokens"])
+    return None
+
+
+def calibrate_tokens_per_word(client: httpx.Client, root: str, model: str, seed: int = 12345,
+                              words: int = 1000) -> float | None:
+    text = datasets.random_text(random.Random(seed), words, 1.0)
+    n = count_tokens(client, root, model, text)
+    return (n / words) if n else None
+
+
+def build_prompts(ns: argparse.Namespace, tokens_per_word: float) -> list[BenchPrompt]:
+    if ns.dataset == "random":
+        return datasets.random_dataset(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, ns.seed,
+                                       tokens_per_word)
+    if ns.dataset == "shared-prefix":
+        return datasets.shared_prefix_dataset(ns.num_prompts, ns.num_groups, ns.prefix_len, ns.input_len,
+                                              ns.output_len, ns.range_ratio, ns.seed, tokens_per_word)
+    if not ns.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path FILE")
+    return datasets.jsonl_dataset(ns.dataset_path, ns.num_prompts, ns.output_len, ns.range_ratio, ns.seed,
+                                  tokens_per_word)
+
+
+# ---------------------------------------------------------------------------------- load
+
+def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (seconds from the start) of ``n`` requests: gamma-distributed gaps with
+    shape ``burstiness`` and mean 1/rate (exponential, i.e. Poisson arrivals, at 1); all
+    zero for an infinite rate."""
+    if request_rate == math.inf or request_rate <= 0:
+        return [0.0] * n
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be positive")
+    rng = random.Random(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    t, out = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.gammavariate(burstiness, theta)
+        out.append(t)
+    return out
+
+
+async def _schedule(items: Sequence[Any], offsets: Sequence[float], t0: float) -> AsyncIterator[Any]:
+    for item, at in zip(items, offsets):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield item
+
+
+async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, model: str,
+                   max_concurrency: int | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
+                   seed: int = 0, ignore_eos: bool = False, temperature: float = 0.0,
+                   headers: dict[str, str] | None = None, timeout: float = 600.0, progress: bool = True,
+                   desc: str = "requests") -> tuple[list[RequestResult], float]:
+    """Send every prompt; return the results (in prompt order) and the wall time (s)."""
+    url = api + ENDPOINTS[endpoint]
+    conns = max_concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+    offsets = arrival_offsets(len(prompts), request_rate, burstiness, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+    results: list[RequestResult | None] = [None] * len(prompts)
+    failures = 0
+
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+                                 trust_env=False) as client:
+        async def one(i: int, t0: float) -> None:
+            nonlocal failures
+            p = prompts[i]
+            payload = build_payload(endpoint, model, p, ignore_eos, temperature)
+            if sem is not None:
+                async with sem:
+                    r = await send_request(client, url, payload, headers, t0)
+            else:
+                r = await send_request(client, url, payload, headers, t0)
+            r.expected_input_len, r.expected_output_len = p.input_len, p.output_len
+            results[i] = r
+            if bar is not None:
+                failures += not r.success
+                bar.update(1)
+                if failures:
+                    bar.set_postfix(failed=failures)
+
+        t0 = time.perf_counter()
+        tasks = []
+        async for i in _schedule(range(len(prompts)), offsets, t0):
+            tasks.append(asyncio.create_task(one(i, t0)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return [r for r in results if r is not None], duration
+
+
+# ---------------------------------------------------------------------------------- main
+
+def run_serve_bench(ns: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
+
+    try:
+        slo = report.parse_slo(ns.slo)
+    except ValueError as e:
+        print(f"error: --slo: {e}", file=sys.stderr)
+        return 2
+    if ns.plot and not ns.sweep:
+        print("note: --plot draws a --sweep; with a single run it shows one point", file=sys.stderr)
+    root, api = api_base(ns.base_url)
+    key = ns.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    with httpx.Client(timeout=30.0, headers=headers, trust_env=False) as client:
+        model, max_len = ns.model, None
+        try:  # also with --model: the card may tell max_model_len
+            card = fetch_model(client, api)
+            model = model or card["id"]
+            if card["id"] == model:
+                max_len = card.get("max_model_len")
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
+            if model is None:
+                print(f"error: cannot list the models at {api}/models: {e}", file=sys.stderr)
+                return 2
+        tpw = None
+        if ns.calibrate and ns.dataset != "jsonl":
+            tpw = calibrate_tokens_per_word(client, root, model)
+    try:
+        prompts = build_prompts(ns, tpw or 1.0)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    longest = max(p.input_len + p.output_len for p in prompts)
+    print(f"tokenloom bench serve: {len(prompts)} {ns.dataset} prompts -> {api}{ENDPOINTS[ns.endpoint]} "
+          f"(model {model}); "
+          + (f"{tpw:.3f} tokens/word from /tokenize" if tpw else "no /tokenize calibration, ~1 token/word"),
+          file=sys.stderr)
+    if isinstance(max_len, int) and longest > max_len:
+        print(f"warning: the longest request needs ~{longest} tokens, more than the server's max_model_len "
+              f"{max_len}", file=sys.stderr)
+
+    concurrencies: list[int | None] = list(ns.sweep) if ns.sweep else [ns.max_concurrency]
+    runs, details = [], []
+    for c in concurrencies:
+        results, duration = asyncio.run(run_load(
+            prompts, api=api, endpoint=ns.endpoint, model=model, max_concurrency=c,
+            request_rate=ns.request_rate, burstiness=ns.burstiness, seed=ns.seed, ignore_eos=ns.ignore_eos,
+            temperature=ns.temperature, headers=headers, timeout=ns.request_timeout,
+            progress=not ns.disable_tqdm, desc=f"concurrency {c if c else 'inf'}"))
+        s = report.summarize(results, duration, slo, max_concurrency=c, request_rate=ns.request_rate,
+                             burstiness=ns.burstiness)
+        runs.append(s)
+        details.append(report.requests_detail(results))
+        print(report.format_summary(s), flush=True)
+    if len(runs) > 1:
+        print(report.format_sweep(runs), flush=True)
+    if ns.plot:
+        report.plot_sweep(runs, ns.plot, title=f"{model} ({ns.dataset}, {ns.endpoint})")
+        print(f"plot written to {ns.plot}", file=sys.stderr)
+    if ns.json_path:
+        config = {k: v for k, v in vars(ns).items() if k != "func" and not k.startswith("_")}
+        config.update(model=model, api_base=api, tokens_per_word=tpw)
+        doc = {"config": config, "runs": [dict(s, requests=d) for s, d in zip(runs, details)]}
+        with open(ns.json_path, "w", encoding="utf-8") as f:
+            json.dump(_json_safe(doc), f, indent=2)
+        print(f"results written to {ns.json_path}", file=sys.stderr)
+    return 0 if all(s["failed"] == 0 for s in runs) else 1
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf become null or the string "inf" so the file is strict JSON."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return None
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
