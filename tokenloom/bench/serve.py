@@ -191,7 +191,8 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
                    max_concurrency: int | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
                    seed: int = 0, ignore_eos: bool = False, temperature: float = 0.0,
                    headers: dict[str, str] | None = None, timeout: float = 600.0, progress: bool = True,
-                   desc: str = "requests") -> tuple[list[RequestResult], float]:
+                   desc: str = "requests", transport: httpx.AsyncBaseTransport | None = None,
+                   ) -> tuple[list[RequestResult], float]:
     """Send every prompt; return the results (in prompt order) and the wall time (s)."""
     url = api + ENDPOINTS[endpoint]
     conns = max_concurrency or len(prompts)
@@ -206,7 +207,7 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
     failures = 0
 
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
-                                 trust_env=False) as client:
+                                 trust_env=False, transport=transport) as client:
         async def one(i: int, t0: float) -> None:
             nonlocal failures
             p = prompts[i]
@@ -302,7 +303,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         print(f"plot written to {ns.plot}", file=sys.stderr)
     if ns.json_path:
         config = {k: v for k, v in vars(ns).items() if k != "func" and not k.startswith("_")}
-        config.update(model=model, api_base=api, tokens_per_word=tpw)
+        config.update(model=model, api_base=api, tokens_per_word=tpw, api_key="(set)" if key else None)
         doc = {"config": config, "runs": [dict(s, requests=d) for s, d in zip(runs, details)]}
         with open(ns.json_path, "w", encoding="utf-8") as f:
             json.dump(_json_safe(doc), f, indent=2)
