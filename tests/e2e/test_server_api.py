@@ -181,11 +181,15 @@ def test_completion_stream_equals_non_stream(server, client):
 
 def test_completion_return_token_ids_match_usage(server):
     r = server.post("/v1/completions", headers=auth(), json={
-        "prompt": "Count: one, two,", "max_tokens": 5, "temperature": 0, "return_token_ids": True})
+        "prompt": "Count: one, two,", "max_tokens": 5, "temperature": 0, "return_token_ids": True,
+        "prompt_logprobs": 1})
     body = r.json()
     choice = body["choices"][0]
     assert len(choice["token_ids"]) == body["usage"]["completion_tokens"]
     assert len(choice["prompt_token_ids"]) == body["usage"]["prompt_tokens"]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == body["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(str(t) in pos for t, pos in zip(choice["prompt_token_ids"][1:], plp[1:]))
 
 
 # ---------------------------------------------------------------- errors

@@ -100,6 +100,8 @@ class OpenAIServingChat(OpenAIServing):
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = list(final.prompt_token_ids)
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(final)
         return body
 
     # ------------------------------------------------------------------ streamed

@@ -98,6 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.return_token_ids:
                     choice["prompt_token_ids"] = list(ro.prompt_token_ids)
                     choice["token_ids"] = list(o.token_ids)
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(ro)
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "system_fingerprint": self.system_fingerprint, "choices": choices,

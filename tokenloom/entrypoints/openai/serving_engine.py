@@ -182,6 +182,15 @@ class OpenAIServing:
             return lp.decoded_token
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @staticmethod
+    def prompt_logprobs(ro: RequestOutput) -> list | None:
+        """vLLM's shape: per prompt position None (the first) or {token_id: {logprob, rank, decoded_token}}."""
+        if ro.prompt_logprobs is None:
+            return None
+        return [None if pos is None else
+                {str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                 for tid, lp in pos.items()} for pos in ro.prompt_logprobs]
+
     def chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top: int) -> list[dict]:
         content = []
         for tid, pos in zip(token_ids, logprobs):
