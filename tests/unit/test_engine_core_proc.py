@@ -89,3 +89,31 @@ def test_startup_failure_reported():
         with pytest.raises(EngineStartupError):
             await client.start(startup_timeout=30)
     run(main())
+
+
+def test_long_step_is_not_death_but_a_frozen_engine_is(monkeypatch):
+    monkeypatch.setenv("FAKE_CORE_STEP_DELAY", "1.5")
+
+    async def main():
+        dead = []
+        got = []
+        client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: got.extend(m.outputs), on_dead=dead.append,
+                                  core_factory="fake_engine_core:make", heartbeat_interval=0.1,
+                                  heartbeat_timeout=0.8)
+        await client.start(startup_timeout=30)
+        await client.add_request(_req("slow", [1], max_tokens=2))
+        t0 = time.time()
+        while len(got) < 2 and time.time() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert len(got) == 2 and not dead, dead  # steps of 1.5 s > timeout 0.8 s, yet alive
+        import signal
+        os.kill(client.engine_pid, signal.SIGSTOP)  # frozen: no heartbeat at all
+        try:
+            t0 = time.time()
+            while not dead and time.time() - t0 < 5:
+                await asyncio.sleep(0.05)
+            assert dead and "heartbeat" in dead[0]
+        finally:
+            os.kill(client.engine_pid, signal.SIGCONT)
+            client.shutdown()
+    run(main())

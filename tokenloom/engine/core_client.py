@@ -68,6 +68,7 @@ class EngineCoreClient:
         self.engine_pid: int | None = None
         self.dead_reason: str | None = None
         self.last_stats: dict[str, Any] = {}
+        self.step_elapsed = 0.0  # how long the engine's current step has run (from its heartbeat)
         self._ctx: zmq.asyncio.Context | None = None
         self._in: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
@@ -188,12 +189,14 @@ class EngineCoreClient:
 
     def _dispatch(self, msg: ipc.EngineOutput) -> None:
         if isinstance(msg, ipc.StepOutputs):
+            self.step_elapsed = 0.0
             if msg.stats:
                 self.last_stats = msg.stats
                 if self.on_stats is not None:
                     self.on_stats(msg.stats)
             self.on_outputs(msg)
         elif isinstance(msg, ipc.Heartbeat):
+            self.step_elapsed = msg.step_elapsed
             if msg.stats:
                 self.last_stats = msg.stats
                 if self.on_stats is not None:
@@ -257,7 +260,7 @@ class EngineCoreClient:
             except zmq.ZMQError:
                 pass
             try:
-                proc.wait(timeout)
+                proc.wait(timeout if self.dead_reason is None else 0.1)
             except subprocess.TimeoutExpired:
                 proc.terminate()
                 try:

@@ -6,7 +6,9 @@ with the engine config (msgspec JSON) on stdin. The loop:
 1. drain the input socket (add / abort / utility calls / shutdown),
 2. run one `EngineCore.step()` while there is work, and push its outputs with the
    engine stats on the output socket,
-3. send a heartbeat at least every `heartbeat_interval` seconds when idle,
+3. send a heartbeat at least every `heartbeat_interval` seconds: from the loop when
+   idle, and from a small thread (own socket) while one step runs long, so a slow
+   step is not mistaken for a dead engine; that heartbeat says how long the step has run,
 4. exit as soon as the parent process is gone (PR_SET_PDEATHSIG plus a parent-pid
    check every iteration), so an engine is never orphaned.
 """
@@ -18,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -117,8 +120,13 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
+        self._output_addr = output_addr
         self._last_sent = 0.0
+        self._step_started = 0.0  # monotonic start of the running step, 0 when none
         self._stop = False
+        self._closed = threading.Event()
+        self._hb_thread = threading.Thread(target=self._heartbeat_thread, name="engine-heartbeat", daemon=True)
+        self._hb_thread.start()
         self._batched_tokens = 0
 
     # -------------------------------------------------------------- sending
@@ -126,6 +134,19 @@ class EngineCoreProc:
     def send(self, msg: msgspec.Struct) -> None:
         self.output.send(ipc.encode(msg), copy=False)
         self._last_sent = time.monotonic()
+
+    def _heartbeat_thread(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._output_addr)
+        try:
+            while not self._closed.wait(self.heartbeat_interval):
+                started = self._step_started
+                if started and time.monotonic() - started >= self.heartbeat_interval:
+                    sock.send(ipc.encode(ipc.Heartbeat(timestamp=time.time(),
+                                                       step_elapsed=time.monotonic() - started)))
+        finally:
+            sock.close()
 
     def _stats(self) -> dict[str, Any]:
         try:
@@ -198,7 +219,11 @@ class EngineCoreProc:
             if self._stop:
                 return
             if self.core.has_unfinished_requests():
-                outputs = self.core.step()
+                self._step_started = time.monotonic()
+                try:
+                    outputs = self.core.step()
+                finally:
+                    self._step_started = 0.0
                 stats = self._stats()
                 # The engine counts tokens computed in total; one step's share is the difference.
                 total = int(stats.get("batched_tokens", 0) or 0)
@@ -210,6 +235,8 @@ class EngineCoreProc:
                 self.send(ipc.Heartbeat(timestamp=time.time(), stats=self._stats()))
 
     def close(self) -> None:
+        self._closed.set()
+        self._hb_thread.join(2 * self.heartbeat_interval + 1)
         for sock in (self.input, self.output):
             try:
                 sock.close()

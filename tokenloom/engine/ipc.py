@@ -65,6 +65,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     timestamp: float
     stats: dict[str, Any] = {}
+    step_elapsed: float = 0.0  # > 0: sent while a step has been running this long
 
 
 class UtilityResult(msgspec.Struct, tag="result"):
