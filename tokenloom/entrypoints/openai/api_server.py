@@ -191,7 +191,10 @@ async def serve(args: argparse.Namespace) -> int:
 def run_server(args: argparse.Namespace) -> int:
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("TOKENLOOM_LOG_LEVEL", logging.getLevelName(level))
+    logging.getLogger().setLevel(level)  # also when the CLI configured logging first
+    if args.log_requests != "off":  # request lines are INFO: keep them visible at any --log-level
+        logging.getLogger("tokenloom.requests").setLevel(logging.INFO)
+    os.environ["TOKENLOOM_LOG_LEVEL"] = logging.getLevelName(level)  # for the engine process
     return asyncio.run(serve(args))
 
 
