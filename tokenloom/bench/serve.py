@@ -86,6 +86,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     lg.add_argument("--ignore-eos", action="store_true",
                     help="send ignore_eos so every request generates exactly its max_tokens")
     lg.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    lg.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="first send N extra requests of the same kind one at a time, not counted (e.g. to fill "
+                         "a prefix cache with the shared prefix); default 0")
     lg.add_argument("--sweep", type=_concurrency_list, default=None, metavar="C1,C2,...",
                     help="run once per max concurrency in this list, e.g. 1,4,16,64")
 
@@ -269,11 +272,16 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         tpw = None
         if ns.calibrate and ns.dataset != "jsonl":
             tpw = calibrate_tokens_per_word(client, root, model)
-    try:
-        prompts = build_prompts(ns, tpw or 1.0)
+    if ns.warmup < 0:
+        print("error: --warmup must be >= 0", file=sys.stderr)
+        return 2
+    try:  # warm-up requests come from the same generator (same shared prefixes), after the measured ones
+        everything = build_prompts(argparse.Namespace(**dict(vars(ns), num_prompts=ns.num_prompts + ns.warmup)),
+                                   tpw or 1.0)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    prompts, warmup = everything[:ns.num_prompts], everything[ns.num_prompts:]
     longest = max(p.input_len + p.output_len for p in prompts)
     print(f"tokenloom bench serve: {len(prompts)} {ns.dataset} prompts -> {api}{ENDPOINTS[ns.endpoint]} "
           f"(model {model}); "
@@ -283,6 +291,13 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         print(f"warning: the longest request needs ~{longest} tokens, more than the server's max_model_len "
               f"{max_len}", file=sys.stderr)
 
+    if warmup:
+        wres, _ = asyncio.run(run_load(warmup, api=api, endpoint=ns.endpoint, model=model, max_concurrency=1,
+                                       seed=ns.seed, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
+                                       headers=headers, timeout=ns.request_timeout, progress=False))
+        bad = [r for r in wres if not r.success]
+        print(f"warm-up: {len(wres) - len(bad)}/{len(wres)} requests succeeded"
+              + (f" (first error: {bad[0].error})" if bad else ""), file=sys.stderr)
     concurrencies: list[int | None] = list(ns.sweep) if ns.sweep else [ns.max_concurrency]
     runs, details = [], []
     for c in concurrencies:
