@@ -62,7 +62,7 @@ class InputProcessor:
                                    max_stop=limits.max_stop_sequences, max_stop_len=limits.max_stop_length,
                                    max_logit_bias=limits.max_logit_bias, vocab_size=self.vocab_size)
         except SamplingParamsError as exc:
-            raise RequestValidationError(str(exc), getattr(exc, "param", None)) from None
+            raise RequestValidationError(str(exc), getattr(exc, "field", None)) from None
         if len(params.bad_words or ()) > limits.max_bad_words:
             raise RequestValidationError(f"bad_words has {len(params.bad_words)} entries; the limit is "
                                          f"{limits.max_bad_words}", "bad_words")
