@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 import torch
 
 from tokenloom.sampling_params import SamplingParams
+
+
+_ARRIVAL_ORDER = itertools.count()  # breaks ties between equal arrival timestamps
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +33,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.arrival_seq = next(_ARRIVAL_ORDER)
         self.priority = priority
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids or ()) | set(self.eos_token_ids)
@@ -98,4 +103,6 @@ class Request:
         return child
 
     def sort_key(self) -> tuple:
-        return (self.priority, self.arrival_time)
+        """Scheduling order: priority, then arrival (timestamps can tie; the order requests were added
+        cannot), then sequence index."""
+        return (self.priority, self.arrival_time, self.arrival_seq, self.index)
