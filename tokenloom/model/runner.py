@@ -67,7 +67,7 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillChunk(first, len(ids), end, torch.tensor(table, device=self.device)))
-            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+            if r.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
                 upto = min(end, r.num_prompt_tokens - 1)
                 logit_rows.extend((s, first + p - start, False) for p in range(start, upto))
             if s.completes_prompt:

@@ -154,6 +154,8 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        if req.prompt_logprobs is not None and req.num_output_tokens == 0:
+            req.prompt_logprobs = [None]  # the recompute reports the prompt's positions again
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
