@@ -83,7 +83,7 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = table
             meta.decode_context_lens = lens
-            meta.decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) >= lens.unsqueeze(1)).view(
+            meta.decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)).view(
                 len(decode_tables), 1, 1, width * bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, logit_rows)

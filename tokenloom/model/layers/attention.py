@@ -26,7 +26,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None  # [num_decodes]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = masked
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
     prefills: list[PrefillChunk]
 
 
@@ -55,13 +55,13 @@ class TorchAttention:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy)."""
         b = q.shape[0]
-        tables = meta.decode_block_tables
-        keys = k_cache[tables].view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = v_cache[tables].view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q.view(b, self.num_heads, 1, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask.logical_not(),
-                                             scale=self.scale, enable_gqa=self.group > 1)
+        keys = _gather_blocks(k_cache, meta.decode_block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
+        values = _gather_blocks(v_cache, meta.decode_block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
+        q = q.view(b, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=meta.decode_mask, scale=self.scale)
         return out.reshape(b, -1)
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
@@ -73,8 +73,8 @@ class TorchAttention:
         else:
             block_size = k_cache.shape[1]
             blocks = chunk.block_table[: (chunk.context_len + block_size - 1) // block_size]
-            keys = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
-            values = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
+            keys = _gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
+            values = _gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
             offset = chunk.context_len - n
             rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
@@ -84,3 +84,9 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=self.group > 1)
         return out.squeeze(0).transpose(0, 1).reshape(n, -1)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the given blocks out of one layer's K or V cache (index_select on whole blocks is
+    several times faster than advanced indexing on CPU)."""
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
