@@ -101,6 +101,41 @@ def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int) -> list[int]
 
 
 @torch.inference_mode()
+def hf_greedy_batch(hf_model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers ``generate(do_sample=False)`` over a left-padded batch (with its attention mask), exactly
+    ``max_new_tokens`` tokens per prompt (EOS ignored). Far cheaper on CPU than one call per prompt, whose
+    decode steps each re-read all the weights."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                           pad_token_id=0, num_beams=1)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    saved = hf_model.generation_config.eos_token_id
+    hf_model.generation_config.eos_token_id = None
+    try:
+        out = hf_model.generate(ids, attention_mask=mask, generation_config=gen)
+    finally:
+        hf_model.generation_config.eos_token_id = saved
+    tokens = out[:, width:].tolist()
+    assert all(len(t) == max_new_tokens for t in tokens)
+    return tokens
+
+
+def describe_divergence(hf_model, prompt: Sequence[int], got: Sequence[int], want: Sequence[int]) -> str:
+    """Where two greedy continuations first differ, and transformers' top-2 logit gap there (a near tie
+    would explain a flip; a large gap means a real bug)."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    msg = f"prompt of {len(prompt)} tokens: outputs differ first at new token {i}"
+    if i < min(len(got), len(want)):
+        row = hf_log_softmax(hf_model, list(prompt) + list(want[:i]))[-1]
+        top = row.topk(2)
+        msg += (f" (ours {got[i]}, transformers {want[i]}; transformers' top-2 logprob gap there "
+                f"{float(top.values[0] - top.values[1]):.2e})")
+    return msg
+
+
+@torch.inference_mode()
 def hf_log_softmax(hf_model, token_ids: Sequence[int]) -> torch.Tensor:
     """log_softmax of transformers' logits over a whole sequence [T, V]; row t predicts token t+1."""
     return torch.log_softmax(hf_model(torch.tensor([list(token_ids)])).logits[0].float(), dim=-1)
