@@ -19,6 +19,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--transformers-batch", type=int, default=32)
     p.add_argument("--decode-profile", type=int, default=32, metavar="BATCH",
                    help="time a decode step at this batch size against the model's matmuls alone (0 = skip)")
+    p.add_argument("--profile", action="store_true",
+                   help="print where the engine's step time goes (schedule, inputs, attention, matmuls, sampling...)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this file")
     add_engine_args(p, model_positional=False)
 

@@ -24,9 +24,13 @@ def run_throughput(ns) -> int:
     prompts = _random_prompts(ns.num_prompts, ns.input_len, llm.engine.setup.arch.vocab_size, ns.bench_seed)
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    from tokenloom.profiler import PROFILER
+    PROFILER.reset()
+    PROFILER.enabled = ns.profile
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    PROFILER.enabled = False
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     results = {
         "num_prompts": ns.num_prompts, "input_len": ns.input_len, "output_len": ns.output_len,
@@ -37,6 +41,9 @@ def run_throughput(ns) -> int:
     }
     print(f"tokenloom: {results['requests_per_s']:.2f} requests/s, {results['output_tokens_per_s']:.1f} output tokens/s, "
           f"{results['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s)")
+    if ns.profile:
+        print(f"step profile over {PROFILER.steps} steps:\n{PROFILER.format()}")
+        results["step_profile"] = PROFILER.report()
     if ns.decode_profile:
         from tokenloom.bench.decode_profile import profile_decode
         results["decode_profile"] = profile_decode(llm, ns.decode_profile, ns.input_len)

@@ -7,9 +7,11 @@ import time
 import torch
 
 from tokenloom.config import EngineConfig
+from tokenloom.engine.faults import FaultInjector, recover_failed_step
 from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
 from tokenloom.engine.setup import EngineSetup, build_engine
+from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("tokenloom.engine")
@@ -30,6 +32,7 @@ class EngineCore:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "batched_tokens": 0}
         self._last_log = time.time()
         self._log_tokens = 0
+        self.faults = FaultInjector.from_env()  # tests only (TOKENLOOM_FAULTS)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -54,15 +57,27 @@ class EngineCore:
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._finished = self._finished, []
-        sched = self.scheduler.schedule()
+        with PROFILER.section("schedule"):
+            sched = self.scheduler.schedule()
         if not sched:
             return outputs
-        sampled = self.runner.execute(sched)
-        outputs.extend(self._update(sched, sampled))
+        try:
+            sampled = self._execute(sched)
+        except Exception as exc:  # noqa: BLE001 - one request's fault must not fail the batch
+            outputs.extend(recover_failed_step(self, sched, exc))
+        else:
+            with PROFILER.section("update"):
+                outputs.extend(self._update(sched, sampled))
+        PROFILER.steps += 1
         self.counters["steps"] += 1
         self.counters["batched_tokens"] += sched.num_tokens
         self._maybe_log(sched.num_tokens)
         return outputs
+
+    def _execute(self, sched: SchedulerOutput):
+        if self.faults is not None:
+            self.faults.before_execute(sched)
+        return self.runner.execute(sched)
 
     def _update(self, sched: SchedulerOutput, sampled) -> list[EngineCoreOutput]:
         outputs = []

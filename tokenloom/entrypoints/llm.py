@@ -12,6 +12,7 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.outputs import RequestOutput
+from tokenloom.profiler import PROFILER
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import Tokenizer
 
@@ -102,7 +103,9 @@ class LLM:
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():
-            outputs, to_abort = self.output_processor.process_outputs(self.engine.step())
+            step_outputs = self.engine.step()
+            with PROFILER.section("detokenize"):
+                outputs, to_abort = self.output_processor.process_outputs(step_outputs)
             if to_abort:
                 self.engine.abort_requests(to_abort)
             yield from outputs

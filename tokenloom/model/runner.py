@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+from tokenloom.profiler import PROFILER
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -37,13 +38,17 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
-        input_ids, positions, meta, logit_rows = self._prepare(order)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not logit_rows:
-            return {}
-        rows_index = torch.tensor([row for _, row, _ in logit_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[rows_index])
-        return self._sample(logit_rows, logits)
+        with PROFILER.section("prepare_inputs"):
+            input_ids, positions, meta, logit_rows = self._prepare(order)
+        with PROFILER.section("forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if not logit_rows:
+                return {}
+            rows_index = torch.tensor([row for _, row, _ in logit_rows], device=self.device)
+            with PROFILER.section("matmul"):
+                logits = self.model.compute_logits(hidden[rows_index])
+        with PROFILER.section("sampling"):
+            return self._sample(logit_rows, logits)
 
     def _prepare(self, order: list[ScheduledRequest]):
         bs = self.block_size

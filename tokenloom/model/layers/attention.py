@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenloom.profiler import PROFILER
+
 
 @dataclass
 class PrefillChunk:
@@ -42,6 +44,10 @@ class TorchAttention:
 
     def __call__(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H*D]."""
+        with PROFILER.section("attention"):
+            return self._attend(q, k, v, kv_cache, meta)
+
+    def _attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         k_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.profiler import PROFILER
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -23,7 +25,8 @@ class Linear(nn.Module):
         _copy(param.data, tensor, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        with PROFILER.section("matmul"):
+            return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
