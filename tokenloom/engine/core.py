@@ -11,7 +11,6 @@ from tokenloom.engine.faults import FaultInjector, recover_failed_step
 from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
 from tokenloom.engine.setup import EngineSetup, build_engine
-from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("tokenloom.engine")
@@ -57,8 +56,7 @@ class EngineCore:
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._finished = self._finished, []
-        with PROFILER.section("schedule"):
-            sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()
         if not sched:
             return outputs
         try:
@@ -66,9 +64,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one request's fault must not fail the batch
             outputs.extend(recover_failed_step(self, sched, exc))
         else:
-            with PROFILER.section("update"):
-                outputs.extend(self._update(sched, sampled))
-        PROFILER.steps += 1
+            outputs.extend(self._update(sched, sampled))
         self.counters["steps"] += 1
         self.counters["batched_tokens"] += sched.num_tokens
         self._maybe_log(sched.num_tokens)

@@ -1,0 +1,141 @@
+"""Fault handling inside the EngineCore step, and test-only fault injection.
+
+`recover_failed_step(core, sched, exc)` runs when executing a step's batch raised. A
+bug that one request triggers (a logits processor, a sampler row, a token id that
+slipped past validation...) must fail that request alone, so the batch is split in
+halves and each half re-executed, recursively, until the request(s) that raise on their
+own are found: they finish with ``finish_reason="error"`` and the others' outputs are
+kept as if the step had succeeded. Cost: about 2*log2(batch) extra forwards per culprit,
+paid only when a step fails. When every request of a batch holding two or more
+requests fails on its own, the fault is not the requests' but the engine's (device
+lost, out of memory...): the original exception is re-raised and the engine process
+reports itself failed (the server then restarts it or exits).
+
+Re-running a sub-batch is safe because a step only writes the KV slots of its own new
+tokens (rewritten with the same values) and the scheduler state is only advanced by
+`EngineCore._update` after a successful run. Seeded requests in a failed batch may
+draw from their generator twice when the fault came after sampling; they stay valid
+samples but not the exact seeded sequence.
+
+`FaultInjector` (off unless ``TOKENLOOM_FAULTS`` is set; used by the reliability tests
+against a real engine) makes executing a batch misbehave when it holds a request whose
+prompt starts with a given token id: ``TOKENLOOM_FAULTS="step_error=77777,step_hang=77778"``.
+``step_error`` raises (a per-request bug), ``step_hang`` blocks the step for good (a
+hung kernel / deadlock).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from tokenloom.engine.messages import EngineCoreOutput
+
+logger = logging.getLogger("tokenloom.engine")
+
+FAULTS_ENV = "TOKENLOOM_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the FaultInjector (tests only)."""
+
+
+class FaultInjector:
+    def __init__(self, step_error: int | None = None, step_hang: int | None = None) -> None:
+        self.step_error = step_error
+        self.step_hang = step_hang
+
+    @classmethod
+    def from_env(cls) -> "FaultInjector | None":
+        spec = os.environ.get(FAULTS_ENV, "").strip()
+        if not spec:
+            return None
+        kwargs: dict[str, int] = {}
+        for item in spec.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in ("step_error", "step_hang"):
+                raise ValueError(f"{FAULTS_ENV}: unknown fault {name!r}")
+            kwargs[name] = int(value)
+        logger.warning("fault injection is on: %s", spec)
+        return cls(**kwargs)
+
+    def before_execute(self, sched: Any) -> None:
+        for s in sched.scheduled:
+            ids = s.request.prompt_token_ids
+            first = ids[0] if ids else None
+            if first is None:
+                continue
+            if first == self.step_error:
+                raise InjectedFault(f"injected fault for request {s.request.request_id}")
+            if first == self.step_hang:
+                logger.warning("injected hang for request %s", s.request.request_id)
+                while True:
+                    time.sleep(3600)
+
+
+def _apply_block_copies(core: Any, copies: list[tuple[int, int]]) -> None:
+    caches = getattr(core.runner, "kv_caches", None) or []
+    with torch.inference_mode():
+        for src, dst in copies:
+            for cache in caches:
+                cache[:, dst].copy_(cache[:, src])
+
+
+def recover_failed_step(core: Any, sched: Any, exc: BaseException) -> list[EngineCoreOutput]:
+    """Find the request(s) whose processing raises, fail them, finish the others' step."""
+    from tokenloom.scheduler.scheduler import SchedulerOutput
+
+    scheduled = list(sched.scheduled)
+    logger.error("engine step with %d request(s) failed (%s: %s); isolating the culprit",
+                 len(scheduled), type(exc).__name__, exc)
+    # Fork copies run once, before any sub-batch (re-running them later could overwrite a
+    # child's freshly written KV slot).
+    _apply_block_copies(core, sched.block_copies)
+    outputs: list[EngineCoreOutput] = []
+    culprits: list[tuple[Any, BaseException]] = []
+
+    def run(batch: list) -> None:
+        sub = SchedulerOutput(scheduled=batch, block_copies=[])
+        try:
+            sampled = core._execute(sub)
+        except Exception as e:  # noqa: BLE001 - that is what we are looking for
+            if len(batch) == 1:
+                culprits.append((batch[0].request, e))
+            else:
+                split(batch)
+            return
+        outputs.extend(core._update(sub, sampled))
+
+    def split(batch: list) -> None:
+        mid = len(batch) // 2
+        run(batch[:mid])
+        run(batch[mid:])
+
+    if len(scheduled) == 1:
+        culprits.append((scheduled[0].request, exc))
+    else:
+        split(scheduled)
+
+    request_ids = {s.request.request_id for s in scheduled}
+    failed_ids = {r.request_id for r, _ in culprits}
+    if len(request_ids) > 1 and failed_ids == request_ids:
+        logger.error("every request of the batch fails on its own: an engine fault, not a request's")
+        raise exc
+    handled: set[str] = set()
+    for r, e in culprits:
+        if r.request_id in handled:
+            continue
+        handled.add(r.request_id)
+        logger.error("request %s failed in the engine and is ended alone: %s: %s", r.request_id,
+                     type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
+        for seq in [q for q in list(core.scheduler.requests.values()) if q.request_id == r.request_id]:
+            core.scheduler.finish(seq, "error")
+        out = core._output(r, [])
+        out.finish_reason = "error"
+        out.error = f"{type(e).__name__}: {e}"
+        outputs.append(out)
+    return outputs
