@@ -1,0 +1,146 @@
+"""Per-sequence constraint state in the engine, and the batch bitmask the runner applies.
+
+`StructuredState` wraps an xgrammar `GrammarMatcher` (made from a compiled grammar that may
+still be compiling: it is only waited for when the sequence first samples) and an optional
+`ThinkingTracker` (constraints start after the reasoning ends; a spent thinking budget forces
+the end marker). `apply_structured_bitmask` fills one int32 bitmask for the batch's
+constrained rows and masks their logits; a batch without constrained rows costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from tokenloom.structured.thinking import ANSWER, REASONING, UNDECIDED, ThinkingTracker
+
+logger = logging.getLogger("tokenloom.structured")
+
+
+class StructuredState:
+    """One sequence's matcher and reasoning phase. `ready` yields (compiled grammar or None, tracker
+    factory or None)."""
+
+    def __init__(self, ready: Future, stop_token_ids: list[int]) -> None:
+        self.ready = ready
+        self.stop_token_ids = list(stop_token_ids)
+        self.matcher: Any = None
+        self.thinking: ThinkingTracker | None = None
+        self.failed: str | None = None
+        self._materialized = False
+
+    def fork(self) -> "StructuredState":
+        """A fresh state for a sibling sequence (forks happen before any output token)."""
+        return StructuredState(self.ready, self.stop_token_ids)
+
+    def _materialize(self) -> None:
+        if self._materialized:
+            return
+        self._materialized = True
+        try:
+            compiled, make_tracker = self.ready.result()
+            if compiled is not None:
+                import xgrammar as xgr
+                self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
+            self.thinking = make_tracker() if make_tracker is not None else None
+        except Exception as e:  # noqa: BLE001 - the request fails alone
+            self.failed = f"{type(e).__name__}: {e}"
+            logger.warning("structured output setup failed: %s", self.failed)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write this sequence's allowed tokens into bitmask[row]; False when the row is unconstrained."""
+        self._materialize()
+        if self.failed:
+            return False
+        t = self.thinking
+        if t is not None:
+            forced = t.forced_token
+            if forced is not None:
+                bitmask[row].zero_()
+                _set_bit(bitmask, row, forced)
+                return True
+            if t.phase == REASONING or (t.phase == UNDECIDED and self.matcher is None):
+                return False
+        m = self.matcher
+        if m is None or m.is_terminated():
+            return False
+        need = m.fill_next_token_bitmask(bitmask, row)
+        if t is not None and t.phase == UNDECIDED and t.single_start_id is not None:
+            _set_bit(bitmask, row, t.single_start_id)  # the model may still open its reasoning
+            need = True
+        return bool(need)
+
+    def accept(self, token: int) -> str | None:
+        """Advance past a sampled token; returns a finish reason ("stop" once the grammar is done, "error"
+        if the token broke it) or None to go on."""
+        self._materialize()
+        if self.failed:
+            return "error"
+        t = self.thinking
+        if t is not None:
+            if t.phase == UNDECIDED and self.matcher is not None:
+                if t.single_start_id is not None and token == t.single_start_id:
+                    t.phase = REASONING
+                    return None
+                t.phase = ANSWER
+            elif t.phase != ANSWER:
+                is_answer, rest = t.observe(token)
+                if not is_answer:
+                    if rest and self.matcher is not None and not self.matcher.accept_string(rest):
+                        return self._reject(token)
+                    return None
+        m = self.matcher
+        if m is None:
+            return None
+        if not m.accept_token(token):
+            if token in self.stop_token_ids:
+                return None  # a stop token ends the request anyway
+            return self._reject(token)
+        return "stop" if m.is_terminated() else None
+
+    def _reject(self, token: int) -> str:
+        logger.warning("token %d violates the grammar; ending the sequence", token)
+        self.failed = f"token {token} violates the grammar"
+        return "error"
+
+
+def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
+    word, bit = divmod(token, 32)
+    if word < bitmask.shape[1]:
+        value = int(bitmask[row, word]) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+_BITMASKS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _bitmask(batch: int, vocab: int) -> torch.Tensor:
+    """A reusable CPU int32 bitmask with at least `batch` rows."""
+    rows = max(8, 1 << (batch - 1).bit_length())
+    key = (rows, vocab)
+    mask = _BITMASKS.get(key)
+    if mask is None:
+        mask = _BITMASKS[key] = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
+    return mask
+
+
+def apply_structured_bitmask(logits: torch.Tensor, states: list[StructuredState | None]) -> None:
+    """Mask, in place, the logits [B, V] of rows whose state constrains the next token."""
+    if not any(s is not None for s in states):
+        return
+    B, V = logits.shape
+    bitmask = _bitmask(B, V)
+    rows = [i for i, s in enumerate(states) if s is not None and s.fill(bitmask, i)]
+    if not rows:
+        return
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        import xgrammar as xgr
+        xgr.apply_token_bitmask_inplace(logits, bitmask[:B], vocab_size=V, indices=rows)
+        return
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    bits = bitmask[rows].to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :V]
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
