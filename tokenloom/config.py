@@ -93,6 +93,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     log_stats_interval: float = 10.0  # seconds between engine log lines; 0 = off
+    # Structured outputs: <think> parser whose end marker starts constraints (tokenloom.structured.reasoning),
+    # and the tool-call format the server parses (tokenloom.structured.tool_parsers).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = "hermes"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            from tokenloom.structured.reasoning import REASONING_PARSERS
+            _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
+                   f"{', '.join(sorted(REASONING_PARSERS))} (got {self.reasoning_parser!r})")
+        if self.tool_call_parser is not None:
+            from tokenloom.structured.tool_parsers import TOOL_PARSERS
+            _check(self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser must be one of "
+                   f"{', '.join(sorted(TOOL_PARSERS))} (got {self.tool_call_parser!r})")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -117,6 +131,9 @@ class EngineConfig:
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
+        for name in ("reasoning_parser", "tool_call_parser"):
+            if getattr(ns, name, None) is not None:
+                kwargs[name] = None if ns.__dict__[name] == "none" else ns.__dict__[name]
         if getattr(ns, "no_enable_prefix_caching", False):
             kwargs["enable_prefix_caching"] = False
         return cls.from_kwargs(**kwargs)
@@ -156,6 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("long_prefill_token_threshold", int, "most prompt tokens of one request in one step (default 512)")
     opt("max_n", int, "largest n / best_of a request may ask for (default 16)")
     opt("max_logprobs", int, "largest logprobs / top_logprobs a request may ask for (default 20)")
+    opt("reasoning_parser", str, "split <think>...</think> into reasoning_content: think | qwen3 | deepseek_r1 "
+        "(structured-output constraints then apply after the reasoning)")
+    opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=_env_default("no_enable_prefix_caching", False, lambda s: s.lower() in ("1", "true", "yes")),
                    help="turn automatic prefix caching off")

@@ -133,6 +133,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured_outputs: dict | None = None
     logprobs_mode: str = "raw"
+    # With a reasoning parser: end the reasoning after this many tokens by forcing its end marker.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, None, "an int >= 1")
@@ -184,6 +186,9 @@ class SamplingParams:
                                               None, "None or an int >= 0")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise _err("structured_outputs", self.structured_outputs, "None or a dict")
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _check_int("thinking_token_budget", self.thinking_token_budget, 0,
+                                                    None, "None or an int >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _err("logprobs_mode", self.logprobs_mode, "one of 'raw', 'processed'")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class Request:
         self.device = device
         self.generators = [self._generator(i) for i in range(width)] if index == 0 else []
         self.generator = self.generators[0] if self.generators else None
+        self.structured: Any = None  # tokenloom.structured StructuredState, set by the EngineCore
 
     def _generator(self, child: int) -> torch.Generator | None:
         if self.params.seed is None:
@@ -100,6 +102,7 @@ class Request:
         child.generators = []
         child.generator = self.generators[index] if self.generators else None
         child.prompt_logprobs = None
+        child.structured = self.structured.fork() if self.structured is not None else None
         return child
 
     def sort_key(self) -> tuple:

@@ -9,6 +9,7 @@ from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.profiler import PROFILER
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from tokenloom.structured.matcher import apply_structured_bitmask
 
 # One sampled token's logprobs: [[token_id, logprob, rank], ...], the chosen token first.
 TokenLogprobs = list[list[float]]
@@ -118,7 +119,9 @@ class ModelRunner:
             packed = compute_prompt_logprobs(logits[idx], targets, k)
             results.setdefault(id(r), SampledTokens([], [])).prompt_logprobs = _pack(*packed, k)
         if rows:
-            out = self.sampler(logits[sample_idx], rows)
+            sample_logits = logits[sample_idx]
+            apply_structured_bitmask(sample_logits, [s.request.structured for s in owners])  # no-op if unconstrained
+            out = self.sampler(sample_logits, rows)
             packed = None
             if out.logprobs is not None:
                 packed = _pack(out.logprob_token_ids, out.logprobs, out.ranks, out.logprobs.shape[1] - 1)
