@@ -12,6 +12,7 @@ from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
 from tokenloom.engine.setup import EngineSetup, build_engine
 from tokenloom.scheduler.scheduler import Scheduler, SchedulerOutput
+from tokenloom.structured.engine import StructuredEngine
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -32,6 +33,8 @@ class EngineCore:
         self._last_log = time.time()
         self._log_tokens = 0
         self.faults = FaultInjector.from_env()  # tests only (TOKENLOOM_FAULTS)
+        self.structured = StructuredEngine(str(self.setup.loaded.path), self.setup.arch.vocab_size,
+                                           config.reasoning_parser)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -40,6 +43,8 @@ class EngineCore:
                           bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt,
                           device=self.device)
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
+                                                       req.eos_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -103,9 +108,12 @@ class EngineCore:
         if logprobs:
             r.cumulative_logprob += logprobs[0][1]
         params = r.params
+        grammar_end = r.structured.accept(token) if r.structured is not None else None
         if token in r.stop_token_ids:
             reason = token if token in (params.stop_token_ids or ()) else None
             self.scheduler.finish(r, "stop", reason)
+        elif grammar_end is not None:  # the grammar is complete ("stop") or was broken ("error")
+            self.scheduler.finish(r, grammar_end)
         elif params.max_tokens is not None and r.num_output_tokens >= params.max_tokens:
             self.scheduler.finish(r, "length")
         elif r.num_tokens >= self.max_model_len:

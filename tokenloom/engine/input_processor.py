@@ -41,6 +41,7 @@ class InputProcessor:
                 arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
         ids = self.tokenize(prompt)
         params = self.validate(ids, params)
+        self.check_structured(params)
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=arrival_time or time.time(), priority=priority,
@@ -82,6 +83,17 @@ class InputProcessor:
                             params.max_tokens, room, n, ctx)
             params = replace(params, max_tokens=room)
         return params
+
+    def check_structured(self, params: SamplingParams, param: str = "structured_outputs") -> None:
+        """Validate and compile (cached) the request's constraint here, so a bad one fails before queueing."""
+        if not params.structured_outputs:
+            return
+        from tokenloom.structured.backend import get_backend
+        from tokenloom.structured.spec import normalize_structured_outputs
+
+        spec = normalize_structured_outputs(params.structured_outputs, param)
+        if spec is not None:
+            get_backend(self.tokenizer, self.vocab_size).compile(spec, param)
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]]:
         out = []
