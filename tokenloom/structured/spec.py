@@ -72,7 +72,7 @@ def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "struct
         if not isinstance(schema, dict):
             raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}", where)
         check_schema(schema, where)
-        return GrammarSpec("json", _canonical(schema), strict, any_ws)
+        return GrammarSpec("json", _canonical(close_objects(schema)), strict, any_ws)
     if kind == "json_object":
         if value is not True:
             raise StructuredOutputError(f"{where} must be true, got {value!r}", where)
@@ -107,7 +107,23 @@ def legacy_structural_tag(tag: dict[str, Any]) -> dict[str, Any]:
 
 
 def _canonical(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    # Key order is kept: xgrammar emits object properties in the schema's order.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def close_objects(node: Any) -> Any:
+    """A copy where every object schema that lists `properties` and says nothing about other properties
+    gets ``additionalProperties: false`` (outputs stay valid for the original schema; a weak model cannot
+    wander into invented keys). Objects without `properties` stay open."""
+    if isinstance(node, list):
+        return [close_objects(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in ("const", "enum", "default", "examples") else close_objects(v)) for k, v in node.items()}
+    if isinstance(node.get("properties"), dict) and not any(
+            k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
 
 
 def _check_size(text: str, where: str) -> None:
