@@ -43,9 +43,10 @@ class GrammarSpec:
         return (self.kind, self.spec, self.strict, self.any_whitespace)
 
 
-def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "structured_outputs"
-                                 ) -> GrammarSpec | None:
-    """Validate and canonicalize; None when the dict holds no constraint."""
+def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "structured_outputs",
+                                 where: str | None = None) -> GrammarSpec | None:
+    """Validate and canonicalize; None when the dict holds no constraint. Errors name `param` (the request
+    field) and say `where` the constraint sits (default ``param.kind``)."""
     if not so:
         return None
     if not isinstance(so, dict):
@@ -62,7 +63,7 @@ def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "struct
         return None
     kind = given[0]
     value = so[kind]
-    where = f"{param}.{kind}"
+    where = where or f"{param}.{kind}"
     strict = bool(so.get("strict", False) or so.get("disable_additional_properties", False))
     any_ws = not bool(so.get("disable_any_whitespace", False))
     if kind == "json":

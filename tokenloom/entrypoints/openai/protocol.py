@@ -76,6 +76,15 @@ class SamplingFields(OpenAIBaseModel):
     # ---- accepted for the structured-outputs issue (not acted on yet)
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    # Constraints (vLLM names; at most one per request, see entrypoints/openai/structured.py).
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    # With --reasoning-parser: end the reasoning after this many tokens.
+    thinking_token_budget: Optional[int] = Field(None, ge=0)
+    reasoning_max_tokens: Optional[int] = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod

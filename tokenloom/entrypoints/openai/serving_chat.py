@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints, template_tools
 from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
                                                          OpenAIServing, completion_tokens,
                                                          engine_error_to_api_error, run_cancellable, sse,
@@ -39,7 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt,
-                tools=getattr(request, "tools", None), continue_final_message=request.continue_final_message,
+                tools=template_tools(request), continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template, **kwargs)
         except ChatTemplateError as e:
             param = "chat_template" if request.chat_template else "messages"
@@ -53,6 +54,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens=request.effective_max_tokens, logprobs=logprobs,
                                       default_max_tokens=None)
+        params = await apply_constraints(self, request, params, chat=True)
         engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
                                              prompt_param="messages")
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
@@ -80,11 +82,13 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         choices = []
         for o in final.outputs:
+            message, finish_reason = ChatOutputParser(request, self.engine.config, final.prompt or "").message(
+                o.text, o.finish_reason)
             choice: dict[str, Any] = {
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": o.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": o.stop_reason,
             }
             if request.logprobs and o.logprobs is not None:
@@ -121,6 +125,7 @@ class OpenAIServingChat(OpenAIServing):
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
+        parsers: dict[int, ChatOutputParser] = {}
         include_usage = request.include_usage
         continuous = include_usage and request.continuous_usage
         prompt_tokens = 0
@@ -151,8 +156,9 @@ class OpenAIServingChat(OpenAIServing):
                     if not delta_text and o.finish_reason is None:
                         continue  # tokens held back by the detokenizer go out with the next text
                     new_ids = o.token_ids[sent_tokens[i]:]
-                    choice = {"index": i, "delta": {"content": delta_text}, "logprobs": None,
-                              "finish_reason": o.finish_reason}
+                    parser = parsers.setdefault(i, ChatOutputParser(request, self.engine.config, out.prompt or ""))
+                    choice = {"index": i, "delta": parser.delta(delta_text, o.finish_reason is not None),
+                              "logprobs": None, "finish_reason": parser.finish_reason(o.finish_reason)}
                     if o.finish_reason is not None:
                         choice["stop_reason"] = o.stop_reason
                     if request.logprobs and o.logprobs is not None:

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
+from tokenloom.entrypoints.openai.structured import apply_constraints
 from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
                                                          OpenAIServing, completion_tokens,
                                                          engine_error_to_api_error, merge_generators,
@@ -28,6 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_logprobs = request.echo and request.logprobs is not None
         params = self.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
                                       default_max_tokens=16, best_of=request.best_of, echo_logprobs=echo_logprobs)
+        params = await apply_constraints(self, request, params)
         engine_requests = []
         prompt_texts: list[str] = []
         for i, prompt in enumerate(prompts):

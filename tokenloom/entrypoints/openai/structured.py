@@ -1,0 +1,224 @@
+"""Structured outputs, reasoning and tools on the OpenAI server (kept out of the serving files).
+
+* `apply_constraints`: response_format / guided_* / structural_tag / structured_outputs / tool_choice /
+  thinking budget -> `SamplingParams.structured_outputs` (at most one constraint, else 400), validated
+  and compiled off the event loop so a bad one is a 400 naming the field before anything is queued;
+* `template_tools`: the tools the chat template sees (none for ``tool_choice: "none"``);
+* `ChatOutputParser`: the choice's text -> reasoning_content / content / tool_calls, whole or streamed.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured.errors import StructuredOutputError
+from tokenloom.structured.reasoning import get_reasoning_parser
+from tokenloom.structured.spec import check_schema, close_objects, normalize_structured_outputs
+from tokenloom.structured.tool_parsers import get_tool_parser
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"))
+
+
+def _bad(message: str, param: str | None) -> BadRequestError:
+    return BadRequestError(message, param=param, code="invalid_value")
+
+
+def _constraints(request: Any) -> list[tuple[str, dict[str, Any], str]]:
+    """(field name, structured_outputs dict, where) for each constraint the request sets."""
+    found = []
+    rf = getattr(request, "response_format", None)
+    if rf:
+        kind = rf.get("type")
+        if kind not in _RESPONSE_FORMATS:
+            raise _bad(f"response_format.type must be one of {', '.join(_RESPONSE_FORMATS)}, got {kind!r}",
+                       "response_format.type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}, "response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("response_format.json_schema must be an object with a 'schema'",
+                           "response_format.json_schema")
+            schema = js.get("schema", js.get("json_schema"))
+            if schema is None:
+                raise _bad("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+            found.append(("response_format", {"json": schema, "strict": bool(js.get("strict"))},
+                          "response_format.json_schema.schema"))
+        elif kind == "structural_tag":
+            tag = {k: v for k, v in rf.items() if k != "type"} if "structures" in rf else rf
+            found.append(("response_format", {"structural_tag": tag}, "response_format"))
+    for field, key in _GUIDED:
+        value = getattr(request, field, None)
+        if value is not None:
+            found.append((field, {key: value}, field))
+    so = getattr(request, "structured_outputs", None)
+    if so:
+        found.append(("structured_outputs", dict(so), None))
+    return found
+
+
+def _functions(request: Any) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(getattr(request, "tools", None) or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                       f"tools[{i}]")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object",
+                       f"tools[{i}].function.parameters")
+        out.append({"name": fn["name"], "parameters": params, "where": f"tools[{i}].function.parameters"})
+    return out
+
+
+def tool_mode(request: Any) -> str:
+    """none | auto | required | the named function's name."""
+    tools = getattr(request, "tools", None)
+    choice = getattr(request, "tool_choice", None)
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise _bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                       "{'name': ...}}", "tool_choice")
+        return "named:" + name
+    if choice not in ("none", "auto", "required"):
+        raise _bad(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                   "tool_choice")
+    if choice != "none" and not tools:
+        raise _bad(f"tool_choice {choice!r} needs tools", "tool_choice")
+    return choice
+
+
+def template_tools(request: Any) -> list[dict[str, Any]] | None:
+    tools = getattr(request, "tools", None)
+    return None if not tools or getattr(request, "tool_choice", None) == "none" else tools
+
+
+def _tool_constraint(request: Any, parser_name: str | None) -> dict[str, Any] | None:
+    mode = tool_mode(request)
+    if mode in ("none", "auto"):
+        return None
+    if parser_name is None:
+        raise _bad(f"tool_choice {getattr(request, 'tool_choice')!r} needs a tool-call parser (the server runs "
+                   "with --tool-call-parser none)", "tool_choice")
+    functions = _functions(request)
+    if mode.startswith("named:"):
+        name = mode[len("named:"):]
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise _bad(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
+    for fn in functions:
+        try:
+            check_schema(fn["parameters"], fn["where"])
+        except StructuredOutputError as e:
+            raise _bad(e.message, e.param) from None
+    parallel = getattr(request, "parallel_tool_calls", None) is not False and not mode.startswith("named:")
+    specs = [{"name": f["name"], "parameters": close_objects(f["parameters"])} for f in functions]
+    return {"structural_tag": get_tool_parser(parser_name)().structural_tag(specs, parallel)}
+
+
+async def apply_constraints(serving: Any, request: Any, params: SamplingParams, chat: bool = False
+                            ) -> SamplingParams:
+    """The request's constraint and thinking budget on `params`; 400 on anything invalid."""
+    config = serving.engine.config
+    found = _constraints(request)
+    if chat:
+        tool = _tool_constraint(request, getattr(config, "tool_call_parser", None))
+        if tool is not None:
+            found.append(("tool_choice", tool, "tool_choice"))
+    if len(found) > 1:
+        names = ", ".join(f for f, _, _ in found)
+        raise _bad(f"give at most one output constraint; this request sets {len(found)}: {names}", found[1][0])
+    budget = getattr(request, "thinking_token_budget", None)
+    if budget is None:
+        budget = getattr(request, "reasoning_max_tokens", None)
+    if budget is not None and not getattr(config, "reasoning_parser", None):
+        raise _bad("thinking_token_budget needs a reasoning parser (start the server with --reasoning-parser)",
+                   "thinking_token_budget")
+    if not found and budget is None:
+        return params
+    so = None
+    if found:
+        field, so, where = found[0]
+        try:
+            spec = normalize_structured_outputs(so, field, where)
+            if spec is not None:
+                from tokenloom.structured.backend import get_backend
+                ip = serving.engine.input_processor
+                backend = get_backend(serving.tokenizer, ip.vocab_size)
+                await asyncio.to_thread(backend.compile, spec, where or field)
+        except StructuredOutputError as e:
+            raise _bad(e.message, e.param) from None
+        so = {k: v for k, v in so.items() if v is not None}
+    return replace(params, structured_outputs=so, thinking_token_budget=budget)
+
+
+class ChatOutputParser:
+    """One choice's text -> message fields, with the server's reasoning parser and tool parser."""
+
+    def __init__(self, request: Any, config: Any, prompt_text: str) -> None:
+        name = getattr(config, "reasoning_parser", None)
+        self.reasoning = get_reasoning_parser(name)(prompt_text) if name else None
+        mode = tool_mode(request)
+        tool_name = getattr(config, "tool_call_parser", None)
+        self.tools = get_tool_parser(tool_name)() if tool_name and mode != "none" else None
+        self.single = mode.startswith("named:") or getattr(request, "parallel_tool_calls", None) is False
+        self.num_calls = 0
+
+    # ---- whole
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        msg: dict[str, Any] = {"role": "assistant"}
+        content: str | None = text
+        if self.reasoning is not None:
+            msg["reasoning_content"], content = self.reasoning.extract(text)
+        calls = []
+        if self.tools is not None and content:
+            content, calls = self.tools.extract(content)
+            if self.single:
+                calls = calls[:1]
+        msg["content"] = content if (content or not calls) else None
+        if calls:
+            msg["tool_calls"] = [c.to_dict() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return msg, finish_reason
+
+    # ---- streamed
+    def delta(self, text_delta: str, final: bool) -> dict[str, Any]:
+        """Delta fields for new text (final=True flushes whatever was held back)."""
+        out: dict[str, Any] = {}
+        reasoning, content = "", text_delta
+        if self.reasoning is not None:
+            r1, c1 = self.reasoning.feed(text_delta)
+            r2, c2 = self.reasoning.finish() if final else ("", "")
+            reasoning, content = r1 + r2, c1 + c2
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            c1, calls = self.tools.feed(content)
+            if final:
+                c2, more = self.tools.finish()
+                c1, calls = c1 + c2, calls + more
+            content = c1
+            if self.single:
+                calls = [c for c in calls if c["index"] == 0]
+        if content:
+            out["content"] = content
+        if calls:
+            self.num_calls = max(self.num_calls, 1 + max(c["index"] for c in calls))
+            out["tool_calls"] = calls
+        return out
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.num_calls else finish_reason
