@@ -30,7 +30,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 
 
 class ServerMetrics:
@@ -59,6 +59,12 @@ class ServerMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
+        self.kv_cache_used_blocks = gauge("kv_cache_used_blocks",
+                                          "KV-cache blocks held by requests (0 when the engine is idle).")
+        self.engine_restarts = counter("engine_restarts", "Times the EngineCore process was restarted.")
+        self.engine_healthy = gauge("engine_healthy", "1 while the engine process is alive and answering.")
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before reaching the engine "
+                                 "(queue_full, engine_unavailable).", labels + ["reason"], registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens served.")
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
@@ -98,6 +104,8 @@ class ServerMetrics:
         usage = stats.get("kv_cache_usage")
         if usage is not None:
             self.kv_cache_usage_perc.set(usage)
+        if stats.get("kv_blocks_used") is not None:
+            self.kv_cache_used_blocks.set(stats["kv_blocks_used"])
         for key, metric in (("prefix_cache_queries", self.prefix_cache_queries),
                             ("prefix_cache_hits", self.prefix_cache_hits),
                             ("num_preemptions", self.num_preemptions)):
@@ -108,6 +116,13 @@ class ServerMetrics:
             if value > last:
                 metric.inc(value - last)
             self._engine_counters[key] = max(last, float(value))
+
+    def reset_engine_counters(self) -> None:
+        """A new engine process counts from zero again."""
+        self._engine_counters = {}
+
+    def observe_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
 
     def observe_iteration(self, num_tokens: int) -> None:
         if num_tokens > 0:

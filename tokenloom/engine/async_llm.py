@@ -4,7 +4,10 @@ It owns the tokenizer, the InputProcessor (text/ids -> EngineCoreRequest, valida
 the OutputProcessor (detokenize, stop strings, n>1 aggregation) and the client of the
 EngineCore process. `generate()` is an async iterator of cumulative `RequestOutput`s;
 leaving it early (client disconnect, cancellation) aborts the request in the engine at
-once. When the engine dies every open `generate()` raises `EngineDeadError`.
+once. When the engine dies every open `generate()` raises `EngineDeadError`, then
+`on_engine_dead(reason)` (set by the server) decides: `restart()` a fresh engine process
+or stop the server. `generate(timeout=...)` ends a request that waited or ran too long
+with `RequestTimeoutError` (aborted in the engine, counted with finish reason "timeout").
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom.requests")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestFailedError", "LOG_LEVELS"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestFailedError", "RequestTimeoutError",
+           "LOG_LEVELS"]
 
 # Request logging levels: off, lifecycle (received/finished), stages (+queue, first token,
 # timings), full (+prompt and output text).
@@ -36,6 +40,10 @@ _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetitio
 
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (the others go on)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request waited or ran longer than its timeout; it was aborted in the engine."""
 
 
 @dataclass
@@ -52,6 +60,7 @@ class _Tracked:
     last_token: dict[int, float] = field(default_factory=dict)
     engine_times: dict[str, float] = field(default_factory=dict)
     finished: bool = False
+    num_seqs: int = 1  # sequences it runs in the engine (n / best_of)
 
     def put(self, out: RequestOutput) -> None:
         self.latest = out
@@ -93,7 +102,7 @@ def load_generation_defaults(model_path: str | None) -> dict[str, Any]:
 class AsyncLLM:
     def __init__(self, config: Any, *, served_model_name: str | None = None,
                  heartbeat_timeout: float = 30.0, core_factory: str | None = None,
-                 log_requests: str = "off", tokenizer: Any = None) -> None:
+                 log_requests: str = "off", tokenizer: Any = None, step_timeout: float | None = None) -> None:
         if log_requests not in LOG_LEVELS:
             raise ValueError(f"log_requests must be one of {', '.join(LOG_LEVELS)}")
         self.config = config
@@ -106,12 +115,27 @@ class AsyncLLM:
         self.generation_defaults: dict[str, Any] = {}
         self.model_path: str | None = None
         self.info: dict[str, Any] = {}
-        self.client = EngineCoreClient(config, on_outputs=self._on_outputs, on_dead=self._on_dead,
-                                       on_stats=self._on_stats, heartbeat_timeout=heartbeat_timeout,
-                                       core_factory=core_factory)
+        self._client_args = dict(heartbeat_timeout=heartbeat_timeout, core_factory=core_factory,
+                                 step_timeout=step_timeout)
+        self.client = self._new_client()
         self._requests: dict[str, _Tracked] = {}
         self._bg: set[asyncio.Task] = set()
         self._started = False
+        self._stopping = False
+        # Called once per engine death, after every open request failed (the server restarts
+        # the engine or exits); None: the server keeps answering 503.
+        self.on_engine_dead: Any = None
+        self.restarting = False
+        self.num_restarts = 0
+        self.mean_latency = 1.0  # moving average of finished requests' e2e seconds (for Retry-After)
+
+    def _new_client(self) -> EngineCoreClient:
+        holder: list[EngineCoreClient] = []
+        client = EngineCoreClient(self.config, on_outputs=self._on_outputs,
+                                  on_dead=lambda reason: self._on_dead(holder[0], reason),
+                                  on_stats=self._on_stats, **self._client_args)
+        holder.append(client)
+        return client
 
     # ------------------------------------------------------------------ start / stop
 
@@ -151,8 +175,25 @@ class AsyncLLM:
         return self
 
     def shutdown(self) -> None:
+        self._stopping = True
         self.fail_all(EngineDeadError("the server is shutting down"))
         self.client.shutdown()
+
+    async def restart(self, startup_timeout: float | None = None) -> None:
+        """Replace a dead engine process by a fresh one (same config); raises EngineStartupError."""
+        self.restarting = True
+        try:
+            self.client.shutdown()  # kills what is left of the old one, frees its sockets
+            self.fail_all(EngineDeadError("the engine died"))
+            self.client = self._new_client()
+            self.info = await self.client.start(startup_timeout=startup_timeout)
+            self.num_restarts += 1
+            if self.metrics is not None:
+                self.metrics.engine_restarts.inc()
+                self.metrics.reset_engine_counters()
+            logger.warning("engine restarted (%d restart(s) so far)", self.num_restarts)
+        finally:
+            self.restarting = False
 
     # ------------------------------------------------------------------ health / state
 
@@ -192,6 +233,10 @@ class AsyncLLM:
     def num_inflight(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_inflight_seqs(self) -> int:
+        return sum(t.num_seqs for t in self._requests.values())
+
     # ------------------------------------------------------------------ requests
 
     def default_sampling_params(self) -> dict[str, Any]:
@@ -205,11 +250,12 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, engine_request: Any = None,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative RequestOutputs of one request; the last one has finished=True.
 
         `engine_request` may be passed when the caller already ran `process_inputs` (to
-        report validation errors before it starts streaming).
+        report validation errors before it starts streaming). `timeout` (seconds from now,
+        queueing included) ends the request with RequestTimeoutError when it runs out.
         """
         if not self.client.is_alive:
             raise EngineDeadError(self.client.dead_reason or "the engine is not running")
@@ -219,22 +265,38 @@ class AsyncLLM:
         req = engine_request or self.process_inputs(request_id, prompt, params, priority, arrival)
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
-        tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids))
+        tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids),
+                           num_seqs=max(params.n, params.best_of or params.n))
         self._requests[request_id] = tracked
         self.output_processor.add_request(request_id, prompt_text, req.prompt_token_ids, params)
         self._log_received(request_id, req, params, prompt_text)
         finished = False
+        deadline = time.monotonic() + timeout if timeout else None
+        reason = "abort"
         try:
             await self.client.add_request(req)
             while True:
-                out = await tracked.get()
+                if deadline is None:
+                    out = await tracked.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(tracked.get(), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        reason = "timeout"
+                        raise RequestTimeoutError(self._timeout_message(tracked, timeout)) from None
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             if not finished:
-                self._drop(request_id, abort_engine=True)
+                self._drop(request_id, abort_engine=True, reason=reason)
+
+    def _timeout_message(self, tracked: _Tracked, timeout: float) -> str:
+        if tracked.first_token is None:
+            return (f"request timed out after {timeout:g} s before its first token (queued or prefilling); "
+                    f"the server is busy, retry later or raise the timeout")
+        return f"request timed out after {timeout:g} s while generating"
 
     async def abort(self, request_id: str) -> None:
         tracked = self._requests.get(request_id)
@@ -247,7 +309,7 @@ class AsyncLLM:
         for tracked in list(self._requests.values()):
             tracked.fail(exc)
 
-    def _drop(self, request_id: str, abort_engine: bool) -> None:
+    def _drop(self, request_id: str, abort_engine: bool, reason: str = "abort") -> None:
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return
@@ -261,9 +323,11 @@ class AsyncLLM:
             out = tracked.latest
             gen = sum(len(o.token_ids) for o in out.outputs) if out is not None else 0
             if self.metrics is not None:
-                self.metrics.observe_finished(finish_reason="abort", prompt_tokens=tracked.num_prompt_tokens,
+                self.metrics.observe_finished(finish_reason=reason, prompt_tokens=tracked.num_prompt_tokens,
                                               generation_tokens=gen, e2e=time.time() - tracked.arrival)
-            if self.log_requests != "off":
+            if reason == "timeout":
+                logger.warning("request %s timed out after %.3f s", request_id, time.time() - tracked.arrival)
+            elif self.log_requests != "off":
                 logger.info("request %s aborted after %.3f s", request_id, time.time() - tracked.arrival)
         if abort_engine and self.client.is_alive:
             self._spawn(self.client.abort_requests([request_id]))
@@ -279,8 +343,18 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.observe_engine_stats(stats)
 
-    def _on_dead(self, reason: str) -> None:
+    def _on_dead(self, client: EngineCoreClient, reason: str) -> None:
+        if client is not self.client:
+            return  # a replaced engine
         self.fail_all(EngineDeadError(f"the engine died: {reason}"))
+        if self.metrics is not None:
+            self.metrics.num_requests_running.set(0)
+            self.metrics.num_requests_waiting.set(0)
+        if self.on_engine_dead is not None and not self._stopping:
+            try:
+                self.on_engine_dead(reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_engine_dead callback failed")
 
     def _on_outputs(self, msg: ipc.StepOutputs) -> None:
         now = time.time()
@@ -341,6 +415,7 @@ class AsyncLLM:
     def _record_finished(self, tracked: _Tracked, ro: RequestOutput, now: float) -> None:
         gen = sum(len(o.token_ids) for o in ro.outputs)
         reason = ro.outputs[0].finish_reason if ro.outputs else "error"
+        self.mean_latency = 0.9 * self.mean_latency + 0.1 * max(0.0, now - tracked.arrival)
         t = tracked.engine_times
         queue = prefill = decode = None
         if t.get("first_scheduled_time") and t.get("arrival_time"):

@@ -8,7 +8,9 @@
 * `await add_request(req)`, `await abort_requests(ids)`, `await call_utility(name)`;
 * an output task decodes every message and hands `StepOutputs` to `on_outputs`;
 * the engine is declared dead (once, `on_dead(reason)` called) when its process exits,
-  it reports a failed step, or no message came for `heartbeat_timeout` seconds;
+  it reports a failed step, no message came for `heartbeat_timeout` seconds (a frozen
+  process), or one step has run for `step_timeout` seconds (a hung step: the engine's
+  heartbeat thread still reports how long); a dead engine that still runs is killed;
 * `shutdown()` asks it to stop, then terminates / kills it, and removes the temp dir.
 
 The engine process is spawned from the calling thread (the main thread in the server)
@@ -55,13 +57,15 @@ class EngineCoreClient:
                  on_dead: Callable[[str], None] | None = None,
                  on_stats: Callable[[dict[str, Any]], None] | None = None,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 30.0,
-                 core_factory: str | None = None) -> None:
+                 core_factory: str | None = None, step_timeout: float | None = None) -> None:
         self.config = config
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.on_stats = on_stats
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout if step_timeout and step_timeout > 0 else None
+        self._step_started_at = 0.0  # monotonic start of the engine's current long step (0: none)
         self.core_factory = core_factory
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
@@ -92,6 +96,12 @@ class EngineCoreClient:
         self.dead_reason = reason
         if not self._closing:
             logger.error("EngineCore is dead: %s", reason)
+            proc = self.proc
+            if proc is not None and proc.poll() is None:  # hung or frozen: it will never recover
+                try:
+                    proc.kill()
+                except OSError:
+                    pass
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -190,6 +200,7 @@ class EngineCoreClient:
     def _dispatch(self, msg: ipc.EngineOutput) -> None:
         if isinstance(msg, ipc.StepOutputs):
             self.step_elapsed = 0.0
+            self._step_started_at = 0.0
             if msg.stats:
                 self.last_stats = msg.stats
                 if self.on_stats is not None:
@@ -197,6 +208,7 @@ class EngineCoreClient:
             self.on_outputs(msg)
         elif isinstance(msg, ipc.Heartbeat):
             self.step_elapsed = msg.step_elapsed
+            self._step_started_at = time.monotonic() - msg.step_elapsed if msg.step_elapsed else 0.0
             if msg.stats:
                 self.last_stats = msg.stats
                 if self.on_stats is not None:
@@ -212,12 +224,17 @@ class EngineCoreClient:
             self._mark_dead(f"engine step failed: {msg.error}")
 
     async def _heartbeat_watch(self) -> None:
+        period = min(0.5, self.heartbeat_timeout / 4, (self.step_timeout or 2.0) / 4)
         while self.dead_reason is None:
-            await asyncio.sleep(min(0.5, self.heartbeat_timeout / 4))
+            await asyncio.sleep(period)
+            now = time.monotonic()
             if self.proc is not None and self.proc.poll() is not None:
                 self._mark_dead(f"engine process exited with code {self.proc.returncode}")
-            elif time.monotonic() - self._last_seen > self.heartbeat_timeout:
+            elif now - self._last_seen > self.heartbeat_timeout:
                 self._mark_dead(f"no heartbeat from the engine for {self.heartbeat_timeout:.0f} s")
+            elif self.step_timeout and self._step_started_at and now - self._step_started_at > self.step_timeout:
+                self._mark_dead(f"an engine step has run for {now - self._step_started_at:.0f} s "
+                                f"(step timeout {self.step_timeout:g} s): the engine is hung")
 
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.dead_reason is not None:

@@ -1,7 +1,16 @@
-"""Render Hugging Face style Jinja chat templates in a sandbox."""
+"""Render Hugging Face style Jinja chat templates in a sandbox.
+
+The sandbox refuses unsafe attributes (no dunders, no module globals, no imports or file
+access: there is no loader). A template may come with a request, so its cost is bounded
+too: `*` / `**` that would build a value over `MAX_RENDER_CHARS` raise, the output is
+capped at `MAX_RENDER_CHARS`, and a render running past `MAX_RENDER_SECONDS` (nested
+loops) is interrupted; all of these are ChatTemplateErrors.
+"""
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -15,6 +24,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+MAX_RENDER_SECONDS = 2.0
+MAX_RENDER_CHARS = 4 * 2 ** 20
+_MAX_POWER_EXPONENT = 1024
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -80,7 +92,21 @@ def _strftime_now(fmt: str) -> str:
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """Sandbox that raises on unsafe attribute access instead of yielding an undefined value."""
+    """Sandbox that raises on unsafe attribute access instead of yielding an undefined value,
+    and on `*` / `**` building oversized values."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
+                        len(seq) * max(times, 0) > MAX_RENDER_CHARS:
+                    raise jinja2.exceptions.SecurityError(
+                        f"the template builds a value of {len(seq) * times} items; the limit is {MAX_RENDER_CHARS}")
+        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_POWER_EXPONENT:
+            raise jinja2.exceptions.SecurityError(f"exponent {right} is too large")
+        return super().call_binop(context, operator, left, right)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise jinja2.exceptions.SecurityError(
@@ -190,13 +216,13 @@ def render_chat_template(
     final_text = _tag_final_message(chat, template) if continue_final_message else None
     variables = {**dict(special_tokens or {}), **_plain(chat_template_kwargs)}
     try:
-        rendered = compiled.render(
+        rendered = _bounded_render(compiled, dict(
             messages=chat,
             tools=_plain(tools),
             documents=_plain(documents),
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             **variables,
-        )
+        ))
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:
@@ -206,3 +232,42 @@ def render_chat_template(
     if final_text is not None:
         rendered = _cut_at_tag(rendered, final_text)
     return rendered
+
+
+class _RenderInterrupted(Exception):
+    """Raised inside a render thread that ran out of time."""
+
+
+def _bounded_render(compiled: jinja2.Template, variables: dict[str, Any]) -> str:
+    """Render in a worker thread: output capped at MAX_RENDER_CHARS, time at MAX_RENDER_SECONDS
+    (an overdue render gets an exception raised inside its thread, which stops any pure-Python
+    loop the template compiled to)."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            parts: list[str] = []
+            size = 0
+            for chunk in compiled.generate(**variables):
+                size += len(chunk)
+                if size > MAX_RENDER_CHARS:
+                    raise ChatTemplateError(f"chat template output exceeds {MAX_RENDER_CHARS} characters")
+                parts.append(chunk)
+            result["text"] = "".join(parts)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    worker = threading.Thread(target=work, name="chat-template", daemon=True)
+    worker.start()
+    worker.join(MAX_RENDER_SECONDS)
+    if worker.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                   ctypes.py_object(_RenderInterrupted))
+        worker.join(0.5)
+        raise ChatTemplateError(f"chat template rendering took longer than {MAX_RENDER_SECONDS:g} s")
+    error = result.get("error")
+    if error is not None:
+        if isinstance(error, _RenderInterrupted):
+            raise ChatTemplateError(f"chat template rendering took longer than {MAX_RENDER_SECONDS:g} s")
+        raise error
+    return result["text"]

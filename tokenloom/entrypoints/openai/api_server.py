@@ -9,6 +9,13 @@ with 503, give in-flight requests ``--shutdown-timeout`` seconds, end the rest w
 error, stop the engine process, exit 0. A second signal skips the wait. The engine
 process dies with this one even when it is killed (PR_SET_PDEATHSIG + parent watch).
 
+Engine faults: a dead engine process (crash, killed), a frozen one (no heartbeat for
+``--engine-heartbeat-timeout`` s) or a hung step (``--engine-step-timeout`` s) fails
+every in-flight request (500 ``engine_dead``) and turns /health to 503; with
+``--restart-engine`` a fresh engine process is started (new requests get 503 meanwhile,
+``tokenloom:engine_restarts_total`` counts it), otherwise the server exits with code 1 so
+that a supervisor restarts it.
+
 Every option can also be set with an environment variable ``TOKENLOOM_<NAME>``
 (e.g. ``TOKENLOOM_PORT=9000``, ``TOKENLOOM_API_KEY=...``); a flag wins over it.
 """
@@ -27,7 +34,8 @@ import uvicorn
 
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-from tokenloom.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState
+from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQUESTS, ServerShuttingDownError,
+                                                         ServerState)
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -70,7 +78,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("log_requests", str, "off", "request logging: off | lifecycle | stages | full", choices=LOG_LEVELS)
     opt("log_level", str, "info", "log level of the server and engine: debug | info | warning | error")
     flag("access_log", "log one line per HTTP request (uvicorn access log)")
-    opt("engine_heartbeat_timeout", float, 30.0, "declare the engine dead after this many seconds of silence")
+    opt("engine_heartbeat_timeout", float, 10.0, "declare the engine dead after this many seconds of silence")
+    opt("engine_step_timeout", float, 120.0, "declare the engine hung when one step runs this many seconds "
+        "(0: never)")
+    flag("restart_engine", "restart the engine process when it dies or hangs (otherwise the server exits with "
+         "code 1)")
+    opt("max_waiting_requests", int, DEFAULT_MAX_WAITING_REQUESTS,
+        "most sequences waiting for a slot in the running batch; beyond it requests get 503 with Retry-After "
+        "(-1: no limit)")
+    opt("request_timeout", float, 0.0, "end a request (504 request_timeout) that waited and ran longer than this "
+        "many seconds; a request's own 'timeout' field can only lower it (0: none)")
     opt("engine_startup_timeout", float, None, "give up if the engine is not ready within this many seconds")
     return parser
 
@@ -85,6 +102,7 @@ class _Server(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # called from the signal handler
         loop = self.loop
@@ -137,6 +155,44 @@ def ready_line(url: str, engine: AsyncLLM) -> str:
             f"tokens | {fit} full-length ({max_len}-token) requests fit")
 
 
+ENGINE_RESTART_ATTEMPTS = 3
+
+
+def _handle_engine_death(server: _Server, engine: AsyncLLM, args: argparse.Namespace, reason: str) -> None:
+    """Called once per engine death, after every in-flight request failed."""
+    if server.state.draining or server.should_exit:
+        return
+    if getattr(args, "restart_engine", False):
+        logger.error("the engine died (%s); restarting it", reason)
+        asyncio.ensure_future(_restart_engine(server, engine, args))
+        return
+    logger.error("the engine died (%s); the server exits (code 1). Use --restart-engine to restart it instead.",
+                 reason)
+    server.exit_code = 1
+
+    async def stop() -> None:
+        await asyncio.sleep(1.0)  # let the in-flight requests' error responses go out
+        server.should_exit = True
+
+    asyncio.ensure_future(stop())
+
+
+async def _restart_engine(server: _Server, engine: AsyncLLM, args: argparse.Namespace) -> None:
+    for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
+        if server.state.draining or server.should_exit:
+            return
+        try:
+            await engine.restart(startup_timeout=args.engine_startup_timeout)
+            logger.warning("engine restarted (attempt %d)", attempt)
+            return
+        except Exception as e:  # noqa: BLE001
+            logger.error("engine restart attempt %d failed: %s", attempt, e)
+            await asyncio.sleep(min(30.0, 2.0 ** attempt))
+    logger.error("the engine could not be restarted; the server exits (code 1)")
+    server.exit_code = 1
+    server.should_exit = True
+
+
 async def serve(args: argparse.Namespace) -> int:
     from tokenloom.config import EngineConfig
 
@@ -145,7 +201,7 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     engine = AsyncLLM(config, served_model_name=served, heartbeat_timeout=args.engine_heartbeat_timeout,
-                      log_requests=args.log_requests)
+                      log_requests=args.log_requests, step_timeout=args.engine_step_timeout)
     try:
         await engine.start(startup_timeout=args.engine_startup_timeout)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
@@ -154,7 +210,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     print(f"tokenloom: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    state = ServerState()
+    state = ServerState(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout)
     settings = ServerSettings(served_model_names=[served], api_key=args.api_key,
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes)
     app = build_app(engine, settings, state)
@@ -170,6 +226,9 @@ async def serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=5, lifespan="off", timeout_keep_alive=5)
     server = _Server(uv_config, engine, state, args.shutdown_timeout)
     server.loop = asyncio.get_running_loop()
+    engine.on_engine_dead = lambda reason: _handle_engine_death(server, engine, args, reason)
+    if not engine.is_healthy:  # died during start-up already
+        _handle_engine_death(server, engine, args, engine.dead_reason or "engine not running")
 
     async def announce() -> None:
         while not server.started and not server.should_exit:
@@ -185,7 +244,7 @@ async def serve(args: argparse.Namespace) -> int:
         engine.shutdown()
         sock.close()
     logger.info("tokenloom server stopped")
-    return 0
+    return server.exit_code
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    TokenizeRequest)
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenloom.entrypoints.openai.serving_engine import ServerState
+from tokenloom.entrypoints.openai.serving_engine import AdmissionMiddleware, ServerState
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
@@ -82,6 +82,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.state.server_state = state
     install_error_handlers(app)
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AdmissionMiddleware, state=state)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
 
@@ -120,7 +121,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         if state.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         if not engine.is_healthy:
-            return JSONResponse({"status": "engine_dead", "reason": engine.dead_reason}, status_code=503)
+            status = "engine_restarting" if getattr(engine, "restarting", False) else "engine_dead"
+            return JSONResponse({"status": status, "reason": engine.dead_reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -133,6 +135,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         if m is None:
             return Response(b"", media_type="text/plain")
         m.observe_engine_stats(engine.engine_stats)
+        m.engine_healthy.set(1 if engine.is_healthy else 0)
         return Response(m.render(), media_type=m.content_type)
 
     return app

@@ -5,7 +5,8 @@
   ``param`` naming the field, Starlette HTTP errors to the same shape, and anything
   unexpected to 500;
 * `BodyGuardMiddleware` answers malformed requests before they reach FastAPI: wrong
-  content type (400) and oversized bodies (413), also for chunked uploads.
+  content type (400), oversized bodies (413), also for chunked uploads, and bodies
+  nested deeper than `limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`).
 """
 from __future__ import annotations
 
@@ -212,6 +213,11 @@ class BodyGuardMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
+
+        if json_depth(b"".join(chunks)) > MAX_JSON_DEPTH:
+            return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                                      "nesting_too_deep")
         replayed = False
 
         async def replay():

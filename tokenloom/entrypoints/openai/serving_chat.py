@@ -58,7 +58,8 @@ class OpenAIServingChat(OpenAIServing):
         engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
                                              prompt_param="messages")
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
-                                   engine_request=engine_request, prompt_text=text, priority=request.priority)
+                                   engine_request=engine_request, prompt_text=text, priority=request.priority,
+                                   timeout=self.timeout_for(request))
         created = int(time.time())
         if request.stream:
             return DisconnectAwareStreamingResponse(self._stream(request, gen, request_id, created),

@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_texts.append(prompt if isinstance(prompt, str)
                                 else self.tokenizer.decode(list(prompt), skip_special_tokens=False))
         gens = [self.engine.generate(prompt, er.sampling_params, er.request_id, engine_request=er,
-                                     prompt_text=text, priority=request.priority)
+                                     prompt_text=text, priority=request.priority, timeout=self.timeout_for(request))
                 for prompt, er, text in zip(prompts, engine_requests, prompt_texts)]
         created = int(time.time())
         if request.stream:

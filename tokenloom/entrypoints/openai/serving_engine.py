@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
+from contextvars import ContextVar
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tokenloom.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from tokenloom.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestTimeoutError
 from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
                                                  ServiceUnavailableError, error_body)
 from tokenloom.entrypoints.openai.protocol import SamplingFields
@@ -42,12 +44,48 @@ class ServerShuttingDownError(RuntimeError):
     """In-flight requests still open when the shutdown timeout ran out."""
 
 
-class ServerState:
-    """Set by the server on shutdown: new requests get 503 while the in-flight ones drain."""
+DEFAULT_MAX_WAITING_REQUESTS = 256
 
-    def __init__(self) -> None:
+
+class ServerState:
+    """Set by the server on shutdown: new requests get 503 while the in-flight ones drain.
+
+    Also the admission settings: at most `max_waiting_requests` sequences may wait for a
+    slot in the running batch (beyond that: 503 + Retry-After at once), and
+    `request_timeout` (seconds, None: none) caps every request's time.
+    """
+
+    def __init__(self, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 request_timeout: float | None = None) -> None:
         self.draining = False
         self.inflight = 0
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
+        self.admitted_seqs = 0  # sequences of the generation requests admitted and not yet answered
+
+
+# Set per HTTP request by AdmissionMiddleware: admit() records there how many sequences
+# it let in, and the middleware gives them back when the response is complete (streams
+# included), so the count is exact even before the request reaches the engine.
+_ADMISSION: ContextVar[list | None] = ContextVar("tokenloom_admission", default=None)
+
+
+class AdmissionMiddleware:
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        holder = [0]
+        token = _ADMISSION.set(holder)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            _ADMISSION.reset(token)
+            self.state.admitted_seqs -= holder[0]
+            holder[0] = 0
 
 
 def engine_error_to_api_error(exc: BaseException) -> APIError:
@@ -59,6 +97,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServerError(str(exc), code="engine_dead")
     if isinstance(exc, RequestFailedError):
         return ServerError(f"the engine failed this request: {exc}", code="engine_error")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(str(exc), status_code=504, error_type="timeout_error", code="request_timeout")
     return ServerError(f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
@@ -86,10 +126,58 @@ class OpenAIServing:
         if self.state.draining:
             raise ServiceUnavailableError("the server is shutting down", code="shutting_down")
         if not self.engine.is_healthy:
-            raise ServerError(f"the engine is not running: {self.engine.dead_reason}", code="engine_dead")
+            self._rejected("engine_unavailable")
+            if getattr(self.engine, "restarting", False):
+                raise ServiceUnavailableError("the engine is restarting after a failure; retry shortly",
+                                              code="engine_restarting", headers={"Retry-After": "5"})
+            raise ServiceUnavailableError(f"the engine is not running: {self.engine.dead_reason}",
+                                          code="engine_dead", headers={"Retry-After": "10"})
         if request.model is not None and request.model not in self.served_model_names:
             raise NotFoundError(f"The model `{request.model}` does not exist. Available: "
                                 f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+        from tokenloom.entrypoints.openai.limits import check_request_limits
+
+        check_request_limits(request, self.engine.max_model_len)
+        self.admit(request)
+
+    def _rejected(self, reason: str) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.observe_rejected(reason)
+
+    def admit(self, request: SamplingFields) -> None:
+        """Bounded queue: 503 + Retry-After when the new sequences would wait beyond the limit."""
+        limit = self.state.max_waiting_requests
+        if limit is None or limit < 0:
+            return
+        width = max(request.n or 1, getattr(request, "best_of", None) or 1)
+        prompts = request.prompts() if hasattr(request, "prompts") else [None]
+        new = width * len(prompts)
+        slots = int(self.engine.config.scheduler.max_num_seqs)
+        holder = _ADMISSION.get()
+        inflight = self.state.admitted_seqs if holder is not None else self.engine.num_inflight_seqs
+        engine_waiting = int(self.engine.engine_stats.get("num_waiting", 0) or 0)
+        waiting_after = max(inflight + new - slots, engine_waiting + new if engine_waiting else 0)
+        max_n = getattr(getattr(self.engine.config, "limits", None), "max_n", None)
+        if max_n is not None and width > max_n:
+            return  # fails validation next, with a 400 naming n / best_of
+        # A request wider than the whole queue still gets in when nothing else is there.
+        if waiting_after > limit and (inflight > 0 or engine_waiting > 0):
+            self._rejected("queue_full")
+            retry = max(1, min(60, math.ceil(getattr(self.engine, "mean_latency", 1.0) or 1.0)))
+            raise ServiceUnavailableError(
+                f"the server is overloaded: {max(0, inflight - slots)} sequence(s) already wait for a slot "
+                f"(limit {limit}); retry after {retry} s", code="server_overloaded",
+                headers={"Retry-After": str(retry)})
+        if holder is not None:
+            holder[0] += new
+            self.state.admitted_seqs += new
+
+    def timeout_for(self, request: SamplingFields) -> float | None:
+        """The request's `timeout` field, capped by the server's --request-timeout."""
+        mine = getattr(request, "timeout", None)
+        server = self.state.request_timeout
+        values = [t for t in (mine, server) if t]
+        return min(values) if values else None
 
     def request_id(self, request: SamplingFields, prefix: str) -> str:
         if request.request_id:
