@@ -272,8 +272,8 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         tpw = None
         if ns.calibrate and ns.dataset != "jsonl":
             tpw = calibrate_tokens_per_word(client, root, model)
-    if ns.warmup < 0:
-        print("error: --warmup must be >= 0", file=sys.stderr)
+    if ns.warmup < 0 or not ns.request_rate > 0 or not ns.burstiness > 0:
+        print("error: --warmup must be >= 0, --request-rate and --burstiness > 0", file=sys.stderr)
         return 2
     try:  # warm-up requests come from the same generator (same shared prefixes), after the measured ones
         everything = build_prompts(argparse.Namespace(**dict(vars(ns), num_prompts=ns.num_prompts + ns.warmup)),
