@@ -161,7 +161,7 @@ def test_server_json_schema_stream_equals_full(server, client):
 @pytest.mark.parametrize("extra,param,needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
      "response_format.json_schema.schema", "#/type"),
-    ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
+    ({"guided_regex": "(ab"}, "guided_regex", "invalid regex"),
     ({"guided_grammar": "root ::= nope"}, "guided_grammar", "line 1"),
     ({"guided_json": {"type": "object", "properties": {"a": {"if": {}}}}}, "guided_json", "#/properties/a"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "at most one"),
