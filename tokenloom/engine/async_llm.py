@@ -203,7 +203,7 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._started and self.client.is_alive
+        return self._started and not self.restarting and self.client.is_alive
 
     @property
     def dead_reason(self) -> str | None:
