@@ -11,6 +11,7 @@ from tokenloom.engine.faults import FaultInjector, recover_failed_step
 from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
 from tokenloom.engine.setup import EngineSetup, build_engine
+from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.scheduler import Scheduler, SchedulerOutput
 from tokenloom.structured.engine import StructuredEngine
 
@@ -61,7 +62,8 @@ class EngineCore:
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._finished = self._finished, []
-        sched = self.scheduler.schedule()
+        with PROFILER.section("schedule"):
+            sched = self.scheduler.schedule()
         if not sched:
             return outputs
         try:
@@ -69,7 +71,9 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one request's fault must not fail the batch
             outputs.extend(recover_failed_step(self, sched, exc))
         else:
-            outputs.extend(self._update(sched, sampled))
+            with PROFILER.section("update"):
+                outputs.extend(self._update(sched, sampled))
+        PROFILER.steps += 1
         self.counters["steps"] += 1
         self.counters["batched_tokens"] += sched.num_tokens
         self._maybe_log(sched.num_tokens)
