@@ -73,6 +73,35 @@ def last_logits(model, prompts: Sequence[Sequence[int]], block_size: int = 16,
     return flat_prefill(model, [(p, 0) for p in prompts], tables, caches, block_size)
 
 
+@torch.inference_mode()
+def sequence_logits(model, tokens: Sequence[int], block_size: int = 16) -> torch.Tensor:
+    """Our model's logits at every position of one sequence computed alone, in one forward [T, V]."""
+    caches, tables = allocate_contiguous(model, [tokens], block_size)
+    device = next(model.parameters()).device
+    n = len(tokens)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device) + tables[0][0] * block_size,
+                             num_decodes=0, decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+                             prefills=[PrefillChunk(0, n, n, torch.tensor(tables[0], device=device))])
+    hidden = model(torch.tensor(list(tokens), device=device), torch.arange(n, device=device), caches, meta)
+    return model.compute_logits(hidden)
+
+
+def greedy_mismatch(model, prompt: Sequence[int], continuation: Sequence[int]) -> str | None:
+    """None if ``continuation`` is the greedy continuation of ``prompt`` computed alone (every token is the
+    argmax of our model's logits given the prompt and the tokens before it); else where and by how much not.
+
+    One forward over prompt + continuation checks all of it: by induction, greedy decoding of the prompt
+    alone produces exactly this sequence."""
+    logits = sequence_logits(model, list(prompt) + list(continuation[:-1]))[len(prompt) - 1:]
+    best = logits.argmax(-1).tolist()
+    for i, (got, want) in enumerate(zip(continuation, best)):
+        if got != want:
+            gap = float(logits[i, want] - logits[i, got])
+            return (f"prompt of {len(prompt)} tokens: new token {i} is {got}, greedy alone gives {want} "
+                    f"(logit gap {gap:.2e})")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers references
 # ---------------------------------------------------------------------------------------------
