@@ -99,3 +99,17 @@ def make_core(tiny_models):
             return EngineCore(EngineConfig.from_kwargs(model=folder, **engine_args), progress=False)
 
     return make
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (the long soak: `make soak`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: needs --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

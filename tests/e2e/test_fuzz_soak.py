@@ -1,0 +1,279 @@
+"""Fuzzing and soak against the real server (loopback only), one server for the module.
+
+* schemathesis generates requests from the server's own OpenAPI schema (/openapi.json):
+  none may get a 5xx (except the documented 503 overload / 504 timeout) or hang;
+* hypothesis throws random parameter combinations at /v1/completions and
+  /v1/chat/completions: every answer is 200 or a 4xx in OpenAI's error shape;
+* the soak mixes streamed, non-streamed, cancelled and invalid requests; afterwards every
+  request got an answer, the engine holds no KV block, the API process's RSS stayed flat
+  after warm-up, and the server still answers correctly. `make soak` runs the long version.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server_harness import ServerProcess, metric_values
+
+API_KEY = "fuzz-key"
+H = {"Authorization": f"Bearer {API_KEY}"}
+MAX_TOKENS = 4  # generation is slow on shared CPUs: keep every fuzzed request short
+TOLERATED_5XX = {(503, "server_overloaded"), (504, "request_timeout")}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "8", "--max-waiting-requests", "32")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", headers=H, timeout=60,
+                       json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})
+        srv.reference_text = r.json()["choices"][0]["text"]  # greedy output before any fuzzing
+        yield srv
+    finally:
+        code = srv.terminate()
+        assert code == 0, srv.log_text()
+
+
+def metrics(srv) -> dict[str, float]:
+    return metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
+
+
+def wait_idle(srv, timeout=60.0) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(srv)
+        if (m.get("tokenloom:num_requests_running") == 0 and m.get("tokenloom:num_requests_waiting") == 0
+                and m.get("tokenloom:kv_cache_used_blocks") == 0):
+            return m
+        assert time.time() < deadline, {k: v for k, v in m.items() if "num_requests" in k or "blocks" in k}
+        time.sleep(0.3)
+
+
+def check_answer(r: httpx.Response, what) -> None:
+    if r.status_code >= 500:
+        try:
+            code = r.json()["error"]["code"]
+        except Exception:  # noqa: BLE001
+            code = None
+        assert (r.status_code, code) in TOLERATED_5XX, (what, r.status_code, r.text[:500])
+    elif r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], (what, r.text[:300])
+
+
+def _short(body):
+    """Keep fuzzed generation requests cheap: small max_tokens / min_tokens when they are ints."""
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = body.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
+                body[key] = MAX_TOKENS
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = MAX_TOKENS
+        v = body.get("min_tokens")
+        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
+            body["min_tokens"] = MAX_TOKENS
+        for key in ("n", "best_of"):
+            v = body.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 4:
+                body[key] = 4
+    return body
+
+
+# ---------------------------------------------------------------- schemathesis
+
+def test_schemathesis_finds_no_server_errors(server):
+    import schemathesis
+
+    raw = httpx.get(server.url + "/openapi.json", headers=H, timeout=30).json()
+    schema = schemathesis.openapi.from_dict(raw)
+    ops = [result.ok() for result in schema.get_all_operations()]
+    assert any(op.path == "/v1/chat/completions" for op in ops)
+    seen = 0
+    with httpx.Client(base_url=server.url, headers=H, timeout=30) as client:
+        for op in ops:
+            examples = 25 if op.method.upper() == "POST" else 5
+
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy())
+            def run(case):
+                nonlocal seen
+                body = _short(case.body) if op.method.upper() == "POST" else None
+                path = case.formatted_path if hasattr(case, "formatted_path") else op.path
+                kwargs = {"json": body} if body is not None and not isinstance(body, schemathesis.core.NotSet) else {}
+                t0 = time.time()
+                r = client.request(op.method.upper(), path, params=case.query or None, **kwargs)
+                assert time.time() - t0 < 30, (op.path, "hang")
+                check_answer(r, (op.method, path, body))
+                seen += 1
+
+            run()
+    assert seen >= 50
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------- hypothesis on the parameters
+
+_num = st.one_of(st.none(), st.integers(-5, 40), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
+                 st.booleans())
+_params = st.fixed_dictionaries({}, optional={
+    "temperature": _num, "top_p": _num, "top_k": _num, "min_p": _num, "n": st.integers(-1, 5),
+    "max_tokens": st.one_of(st.integers(-2, MAX_TOKENS), st.none(), st.just("x")),
+    "min_tokens": st.integers(-1, 3), "presence_penalty": _num, "frequency_penalty": _num,
+    "repetition_penalty": _num, "seed": st.one_of(st.integers(-2 ** 64, 2 ** 65), st.none()),
+    "stop": st.one_of(st.none(), st.text(max_size=4), st.lists(st.text(max_size=4), max_size=20)),
+    "stop_token_ids": st.lists(st.integers(-3, 60000), max_size=4),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-2, 60000).map(str), st.text(max_size=3)),
+                                  st.floats(-200, 200), max_size=4),
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), st.none()),
+    "top_logprobs": st.integers(-1, 25), "prompt_logprobs": st.one_of(st.none(), st.integers(-1, 25)),
+    "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(), "echo": st.booleans(),
+    "bad_words": st.lists(st.text(max_size=5), max_size=3), "best_of": st.integers(0, 5),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(-1, 60000), max_size=5)),
+    "include_stop_str_in_output": st.booleans(), "priority": st.integers(-3, 3),
+    "stream": st.booleans(), "stream_options": st.one_of(st.none(), st.fixed_dictionaries(
+        {"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()})),
+    "timeout": st.one_of(st.none(), st.floats(-1, 60)), "return_token_ids": st.booleans(),
+    "response_format": st.one_of(st.none(), st.just({"type": "json_object"}), st.just({"type": "text"})),
+})
+_prompt = st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 49200), max_size=6),
+                    st.lists(st.text(max_size=5), max_size=3), st.just([]), st.integers())
+_messages = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]),
+    "content": st.one_of(st.text(max_size=20), st.none(), st.just([{"type": "text", "text": "hi"}]),
+                         st.just([{"type": "image_url"}]))}), max_size=4)
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), params=_params, prompt=_prompt, messages=_messages)
+def test_random_parameters_never_break_the_server(server, chat, params, prompt, messages):
+    body = dict(params)
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > MAX_TOKENS:
+        body["max_tokens"] = MAX_TOKENS
+    body.setdefault("max_tokens", MAX_TOKENS)
+    if chat:
+        body["messages"] = messages
+        if isinstance(body.get("logprobs"), int) and not isinstance(body.get("logprobs"), bool):
+            body["logprobs"] = bool(body["logprobs"])
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        if isinstance(body.get("logprobs"), bool):
+            body.pop("logprobs")
+        path = "/v1/completions"
+    t0 = time.time()
+    # NaN / Infinity go out as the literals Python's JSON (and so the server) accepts
+    r = httpx.post(server.url + path, content=json.dumps(body), timeout=60,
+                   headers={**H, "Content-Type": "application/json"})
+    assert time.time() - t0 < 60
+    check_answer(r, body)
+    if r.status_code == 200 and body.get("stream") is True:
+        lines = [l for l in r.text.splitlines() if l.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]", r.text[-300:]
+        for l in lines[:-1]:
+            chunk = json.loads(l[6:])
+            if "error" in chunk:
+                assert (chunk["error"].get("status_code"), chunk["error"]["code"]) in TOLERATED_5XX, chunk
+
+
+# ---------------------------------------------------------------- soak
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def _soak(srv, seconds: float, concurrency: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    stats = {"sent": 0, "answered": 0, "ok": 0, "rejected": 0, "invalid": 0, "cancelled": 0, "stream_ok": 0}
+    deadline = time.time() + seconds
+    words = ["alpha", "beta", "gamma", "delta", "sea", "sky", "tree", "stone"]
+
+    async def one(c: httpx.AsyncClient) -> None:
+        kind = rng.choice(["plain", "plain", "stream", "stream", "chat", "cancel", "cancel_stream", "invalid"])
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+        body: dict = {"max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.7, 1.0])}
+        if kind == "chat":
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
+        if kind in ("stream", "cancel_stream"):
+            body["stream"] = True
+        if kind == "invalid":
+            body[rng.choice(["temperature", "n", "top_p", "logprobs"])] = rng.choice([-1, "x"])
+        stats["sent"] += 1
+        if kind.startswith("cancel"):
+            body["max_tokens"] = 64
+            try:
+                await c.post(path, json=body, timeout=rng.uniform(0.05, 0.6))
+            except httpx.TimeoutException:
+                pass
+            stats["cancelled"] += 1
+            stats["answered"] += 1  # the client gave up: nothing to receive
+            return
+        r = await c.post(path, json=body, timeout=120)
+        stats["answered"] += 1
+        check_answer(r, body)
+        if kind == "invalid":
+            assert r.status_code == 400, r.text
+            stats["invalid"] += 1
+        elif r.status_code == 503:
+            stats["rejected"] += 1
+        else:
+            assert r.status_code == 200, r.text
+            if body.get("stream"):
+                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
+                stats["stream_ok"] += 1
+            stats["ok"] += 1
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        while time.time() < deadline:
+            await one(c)
+
+    async with httpx.AsyncClient(base_url=srv.url, headers=H) as c:
+        await asyncio.gather(*[worker(c) for _ in range(concurrency)])
+    return stats
+
+
+def run_soak(srv, seconds: float, concurrency: int = 6) -> None:
+    before = metrics(srv)
+    asyncio.run(_soak(srv, min(10.0, seconds / 4), concurrency, seed=1))  # warm-up
+    wait_idle(srv)
+    rss0 = _rss_kb(srv.pid)
+    stats = asyncio.run(_soak(srv, seconds, concurrency, seed=2))
+    m = wait_idle(srv)  # no request left running, no KV block leaked
+    rss1 = _rss_kb(srv.pid)
+    assert stats["answered"] == stats["sent"], stats
+    assert stats["ok"] > 0 and stats["stream_ok"] > 0 and stats["cancelled"] > 0 and stats["invalid"] > 0, stats
+    assert m["tokenloom:kv_cache_used_blocks"] == 0
+    assert rss1 - rss0 < max(30_000, rss0 * 0.10), (rss0, rss1)  # flat after warm-up (KiB)
+    served = sum(m.get(f'tokenloom:request_success_total{{finished_reason="{r}"}}', 0) -
+                 before.get(f'tokenloom:request_success_total{{finished_reason="{r}"}}', 0)
+                 for r in ("stop", "length"))
+    assert served >= stats["ok"], (served, stats)
+    # still correct: greedy output is what it was before the soak
+    r = httpx.post(srv.url + "/v1/completions", headers=H, timeout=60,
+                   json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == srv.reference_text
+    print(f"soak {seconds:.0f} s: {stats}, RSS {rss0} -> {rss1} KiB")
+
+
+def test_soak_short(server):
+    run_soak(server, seconds=30)
+
+
+@pytest.mark.slow
+def test_soak_long(server):
+    run_soak(server, seconds=600, concurrency=12)
