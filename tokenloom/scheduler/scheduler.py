@@ -165,14 +165,20 @@ class Scheduler:
     def fork(self, parent: Request) -> list[Request]:
         """Split a request with n>1 into its sequences once its prompt is computed."""
         children = []
+        needs_copy = parent.num_computed_tokens % self.kv.block_size != 0
         for index in range(1, parent.pending_forks + 1):
             child = parent.fork(index)
-            copy = self.kv.fork(parent, child)
-            if copy:
-                self.pending_copies.append(copy)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             self.requests[(child.request_id, child.index)] = child
             children.append(child)
+            if needs_copy and self.kv.pool.num_free == 0:
+                # No block to copy the partial last block into: recompute this sequence later.
+                child.block_ids = []
+                self._preempt(child)
+                continue
+            copy = self.kv.fork(parent, child)
+            if copy:
+                self.pending_copies.append(copy)
         parent.pending_forks = 0
         return children
