@@ -254,3 +254,22 @@ def test_cache_salt_isolates_requests_in_the_engine(make_core):
                 results.setdefault(rid, (o.num_cached_tokens, []))[1].extend(o.new_token_ids)
     assert {rid: cached for rid, (cached, _) in results.items()} == {"a": 0, "b": 0, "c": 16, "d": 0}
     assert len({tuple(tokens) for _, tokens in results.values()}) == 1
+
+
+def test_n_samples_fork_with_no_free_block_recompute_instead_of_failing(make_core):
+    """When the prompt's partial last block cannot be copied for every sequence (the pool is full), the
+    sequences left without a block are preempted and recomputed; every sequence still gets its own tokens."""
+    prompts = helpers.random_prompts(2, [10, 10], 512, seed=25)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+
+    def run(**engine_args):
+        core = make_core(block_size=BS, **engine_args)
+        core.add_request(make_request("a", prompts[0], greedy_params(8)))
+        core.add_request(make_request("b", prompts[1], sampled))
+        return core, run_to_completion(core)
+
+    _, roomy = run()
+    core, tight = run(num_blocks=6)  # a and b's prompts take 3 blocks each: nothing left to fork into
+    assert core.stats()["num_preemptions"] > 0
+    assert tight == roomy and sorted(tight) == [("a", 0), ("b", 0), ("b", 1), ("b", 2)]
+    assert core.stats()["kv_blocks_used"] == 0

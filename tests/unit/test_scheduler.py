@@ -272,10 +272,12 @@ def _assert_pool_idle(core):
     assert not core.scheduler.running and not core.scheduler.waiting and not core.scheduler.requests
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_core, prefix_caching):
-    rng = random.Random(1234 + prefix_caching)
-    core = make_core(num_blocks=40, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=12,
+@pytest.mark.parametrize("prefix_caching, num_blocks", [(True, 40), (False, 40), (True, 17)])
+def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_core, prefix_caching, num_blocks):
+    """Random prompts (some sharing a prefix), n, sampling, priorities, salts and aborts at random steps; a
+    small pool adds preemptions. After each round the engine is idle and every block is back in the pool."""
+    rng = random.Random(1234 + prefix_caching + num_blocks)
+    core = make_core(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=12,
                      max_num_seqs=6, enable_prefix_caching=prefix_caching)
     shared = helpers.random_prompts(1, [12], VOCAB, seed=99)[0]
     from tokenloom.sampling_params import SamplingParams
@@ -284,7 +286,8 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
         for i in range(rng.randint(3, 10)):
             rid = f"{round_}-{i}"
             length = rng.randint(1, 40)
-            prompt = (shared[: rng.randint(0, 12)] + [rng.randrange(3, VOCAB) for _ in range(length)])[:60]
+            prompt = (shared[: rng.randint(0, 12)] + [rng.randrange(3, VOCAB) for _ in range(length)])
+            prompt = prompt[: core.max_model_len - 1]
             n = rng.choice([1, 1, 1, 2, 3])
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), n=n, max_tokens=rng.randint(1, 20),
                                     ignore_eos=rng.random() < 0.5, seed=rng.randint(0, 100))
@@ -300,3 +303,5 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
             assert core.stats()["kv_blocks_used"] <= core.kv.pool.num_blocks
             assert steps < 2000
         _assert_pool_idle(core)
+    if num_blocks < 20:
+        assert core.stats()["num_preemptions"] > 0
