@@ -79,7 +79,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("log_level", str, "info", "log level of the server and engine: debug | info | warning | error")
     flag("access_log", "log one line per HTTP request (uvicorn access log)")
     opt("engine_heartbeat_timeout", float, 10.0, "declare the engine dead after this many seconds of silence")
-    opt("engine_step_timeout", float, 120.0, "declare the engine hung when one step runs this many seconds "
+    opt("engine_step_timeout", float, 30.0, "declare the engine hung when one step runs this many seconds "
         "(0: never)")
     flag("restart_engine", "restart the engine process when it dies or hangs (otherwise the server exits with "
          "code 1)")
