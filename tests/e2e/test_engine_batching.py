@@ -110,6 +110,26 @@ def test_kv_cache_too_small_for_all_forces_preemption_and_gives_the_same_outputs
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_prompts_served_from_the_prefix_cache_give_the_same_outputs(make_llm):
+    """Conversations sharing a long system prompt: the second run is served mostly from the prefix cache
+    (including a prompt that is a prefix of another) and must not change a token."""
+    system = ("<|im_start|>system\nYou are a helpful assistant for a travel agency. Answer briefly and "
+              "accurately, in plain English, and say so when you do not know something. Never make up "
+              "prices or opening hours.<|im_end|>\n")
+    questions = ["What is the capital of Italy?", "Name a prime number.", "Why is the sky blue?"]
+    texts = [f"{system}<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in questions] + [system]
+    uncached_llm = make_llm(num_blocks=128, block_size=16, enable_prefix_caching=False)
+    ids = [uncached_llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert len(ids[-1]) >= 32
+    uncached = tokens(uncached_llm.generate(ids, greedy(8), use_tqdm=False))
+    llm = make_llm(num_blocks=128, block_size=16, enable_prefix_caching=True)
+    first = llm.generate(ids, greedy(8), use_tqdm=False)
+    second = llm.generate(ids, greedy(8), use_tqdm=False)
+    assert tokens(first) == uncached and tokens(second) == uncached
+    assert all(o.num_cached_tokens >= 16 * ((len(p) - 1) // 16) for o, p in zip(second, ids))
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
 # ---- sampling in a mixed batch -------------------------------------------------------------------------
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(base, prompts, concurrent):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
@@ -195,6 +215,19 @@ def test_prompt_longer_than_max_model_len_is_context_length_exceeded(make_llm):
         llm.generate([list(range(100, 200))], greedy(), use_tqdm=False)
     assert err.value.code == "context_length_exceeded"
     assert "64" in err.value.message and "100" in err.value.message
+
+
+def test_prompt_plus_min_tokens_over_max_model_len_is_context_length_exceeded(make_llm):
+    llm = make_llm(num_blocks=64, max_model_len=64)
+    with pytest.raises(RequestValidationError) as err:
+        llm.generate([list(range(100, 150))], greedy(20, min_tokens=15), use_tqdm=False)
+    assert (err.value.param, err.value.code) == ("min_tokens", "context_length_exceeded")
+
+
+def test_max_tokens_is_clamped_to_the_room_the_context_leaves(make_llm):
+    llm = make_llm(num_blocks=64, max_model_len=64)
+    (out,) = llm.generate([list(range(100, 160))], greedy(100), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
 def test_a_batch_with_one_invalid_prompt_adds_nothing(base, prompts):

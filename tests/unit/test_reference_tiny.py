@@ -72,3 +72,39 @@ def test_greedy_generation_is_token_identical_to_transformers(kind, tiny_models,
     for prompt, tokens in zip(prompts, got):
         assert tokens == helpers.hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens"
     assert core.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama_tied_gqa", "qwen3"])
+def test_greedy_generation_with_tiny_chunks_and_blocks_matches_transformers(kind, tiny_models, make_core, prompts):
+    """A 7-token step budget and 4-token blocks: prompts are prefilled over many steps through the paged
+    cache, some chunks are a single token, and decodes share steps with other prompts' chunks."""
+    _, hf = tiny_models(kind)
+    core = make_core(kind, block_size=4, max_num_batched_tokens=7, long_prefill_token_threshold=5)
+    got = helpers.generate_tokens(core, prompts, helpers.greedy_params(32))
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == helpers.hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens"
+
+
+def test_prompt_logprobs_with_chunked_prefill_match_transformers(tiny_models, make_core, prompts):
+    from tokenloom.sampling_params import SamplingParams
+    _, hf = tiny_models("llama")
+    core = make_core("llama", block_size=4, max_num_batched_tokens=9, long_prefill_token_threshold=6)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    for i, p in enumerate(prompts):
+        core.add_request(helpers.make_request(f"r{i}", p, params))
+    got = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = o.prompt_logprobs
+    for i, p in enumerate(prompts):
+        entries = got[f"r{i}"]
+        assert len(entries) == len(p) and entries[0] is None
+        if len(p) == 1:
+            continue
+        ref = helpers.hf_log_softmax(hf, p)
+        for pos in range(1, len(p)):
+            chosen = entries[pos][0]  # [token_id, logprob, rank], the prompt token first
+            assert int(chosen[0]) == p[pos]
+            assert abs(chosen[1] - ref[pos - 1, p[pos]].item()) < LOGIT_TOL
+            assert int(chosen[2]) == int((ref[pos - 1] > ref[pos - 1, p[pos]]).sum()) + 1
