@@ -2,7 +2,8 @@
 our engine, and compared against transformers on the same weights.
 
 Tolerance policy: float32 on both sides, so final-position logits must agree to LOGIT_TOL (measured max abs
-diff about 5e-6 on logits of magnitude ~6), and greedy generation must be token-identical.
+diff about 5e-6 on logits of magnitude ~6; the tolerance leaves 10x for other CPUs' kernels), and greedy
+generation must be token-identical.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import helpers
 from tokenloom.model.loader import load_model
 
-LOGIT_TOL = 1e-4
+LOGIT_TOL = 5e-5
 KINDS = list(helpers.TINY_VARIANTS)
 PROMPT_LENGTHS = [1, 5, 16, 17, 33, 64, 100]
 

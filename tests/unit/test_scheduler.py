@@ -123,7 +123,7 @@ def test_lower_priority_value_runs_first_then_arrival_order(make_core):
     assert order == ["p0", "p1a", "p1b", "p2", "p3"]
 
 
-def test_priority_order_through_llm_generate_priority_argument(make_core, tiny_models):
+def test_a_later_request_with_a_lower_priority_value_is_served_before_an_earlier_one(make_core):
     """The same order rule holds for requests queued behind a running one."""
     core = make_core(max_num_seqs=1)
     rec = Recorder(core)
