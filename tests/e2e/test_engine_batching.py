@@ -130,6 +130,14 @@ def test_prompts_served_from_the_prefix_cache_give_the_same_outputs(make_llm):
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_generate_priority_argument_runs_lower_values_first(make_llm, prompts):
+    llm = make_llm(num_blocks=64, max_num_seqs=1)
+    outs = llm.generate(prompts[:4], greedy(2), priority=[3, 0, 2, 1], use_tqdm=False)
+    started = sorted(range(4), key=lambda i: outs[i].metrics["first_scheduled_time"])
+    assert started == [1, 3, 2, 0]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 4  # results still come back in input order
+
+
 # ---- sampling in a mixed batch -------------------------------------------------------------------------
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(base, prompts, concurrent):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
