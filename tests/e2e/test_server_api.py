@@ -192,6 +192,23 @@ def test_completion_return_token_ids_match_usage(server):
     assert all(str(t) in pos for t, pos in zip(choice["prompt_token_ids"][1:], plp[1:]))
 
 
+def _cached_tokens(server, prompt: str) -> tuple[int, int]:
+    r = server.post("/v1/completions", headers=auth(), json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    usage = r.json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+
+def test_prefix_cache_hits_are_reported_and_reset_clears_them(server):
+    prompt = "Prefix caching check: " + " ".join(f"item {i}," for i in range(40))
+    _cached_tokens(server, prompt)
+    cached, total = _cached_tokens(server, prompt)
+    assert cached >= total - 16 and cached > 0
+    assert server.post("/reset_prefix_cache").status_code == 401
+    r = server.post("/reset_prefix_cache", headers=auth())
+    assert r.status_code == 200, r.text
+    assert _cached_tokens(server, prompt)[0] == 0
+
+
 # ---------------------------------------------------------------- errors
 
 def _err(r: httpx.Response, status: int) -> dict:

@@ -125,6 +125,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
             return JSONResponse({"status": status, "reason": engine.dead_reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Admin: forget every cached prefix block (refused with 409 while requests hold blocks)."""
+        if await engine.reset_prefix_cache():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"error": {"message": "the prefix cache cannot be reset while requests are running",
+                                       "type": "conflict", "param": None, "code": "busy"}}, status_code=409)
+
     @app.get("/version")
     async def version():
         return {"version": tokenloom.__version__}
