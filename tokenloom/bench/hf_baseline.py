@@ -16,8 +16,7 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
     if os.path.isdir(model_path):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), dtype=torch.float32,
-                                                     gguf_file=os.path.basename(model_path))
+        model = _from_gguf(model_path)
     model.eval()
     tokens = 0
     start = time.perf_counter()
@@ -29,3 +28,17 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
             tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed, "batch": batch}
+
+
+def _from_gguf(path: str):
+    """transformers' own GGUF config mapping and dequantization, without `accelerate`
+    (which from_pretrained(gguf_file=...) insists on)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    folder, name = os.path.split(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    model.tie_weights()
+    return model

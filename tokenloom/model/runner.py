@@ -31,6 +31,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.max_logprobs = max_logprobs
+        self._workspace = torch.empty(0, device=device, dtype=kv_caches[0].dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[int, SampledTokens]:
@@ -88,11 +89,19 @@ class ModelRunner:
             table = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = table
+            meta.decode_workspace = self._decode_workspace(table.numel())
             meta.decode_context_lens = lens
             meta.decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)).view(
                 len(decode_tables), 1, 1, width * bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, logit_rows)
+
+    def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
+        cache = self.kv_caches[0]
+        block_elems = cache[0, 0].numel()
+        if self._workspace.numel() < 2 * num_blocks * block_elems:
+            self._workspace = torch.empty(2 * num_blocks * block_elems, dtype=cache.dtype, device=self.device)
+        return self._workspace[: 2 * num_blocks * block_elems].view(2, num_blocks, block_elems)
 
     def _sample(self, logit_rows, logits: torch.Tensor) -> dict[int, SampledTokens]:
         results: dict[int, SampledTokens] = {}

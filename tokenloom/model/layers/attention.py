@@ -30,6 +30,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
     prefills: list[PrefillChunk]
+    # [2, num_decodes * max_blocks, block elements]: reused buffer for the decodes' gathered K and V.
+    # Fresh tens-of-MB temporaries each layer cost page faults that can double a decode step on CPU.
+    decode_workspace: torch.Tensor | None = None
 
 
 class TorchAttention:
@@ -63,8 +66,11 @@ class TorchAttention:
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy)."""
         b = q.shape[0]
-        keys = _gather_blocks(k_cache, meta.decode_block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
-        values = _gather_blocks(v_cache, meta.decode_block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
+        ws = meta.decode_workspace
+        keys = _gather_blocks(k_cache, meta.decode_block_tables, None if ws is None else ws[0])
+        values = _gather_blocks(v_cache, meta.decode_block_tables, None if ws is None else ws[1])
+        keys = keys.view(b, -1, self.num_kv_heads, self.head_dim)
+        values = values.view(b, -1, self.num_kv_heads, self.head_dim)
         q = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=meta.decode_mask, scale=self.scale)
@@ -92,7 +98,7 @@ class TorchAttention:
         return out.squeeze(0).transpose(0, 1).reshape(n, -1)
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the given blocks out of one layer's K or V cache (index_select on whole blocks is
     several times faster than advanced indexing on CPU)."""
-    return cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids.reshape(-1), out=out)
