@@ -305,3 +305,58 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
         _assert_pool_idle(core)
     if num_blocks < 20:
         assert core.stats()["num_preemptions"] > 0
+
+
+# ---- prefix-cache awareness --------------------------------------------------------------------
+
+def _waiting_scheduler(block_size=4, window=8):
+    from tokenloom.config import SchedulerConfig
+    from tokenloom.engine.request import Request
+    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.scheduler.kv_cache_manager import KVCacheManager
+    from tokenloom.scheduler.scheduler import Scheduler
+    kv = KVCacheManager(64, block_size, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), kv, 256,
+                      prefix_reorder_window=window)
+
+    def request(rid, tokens, priority=0, arrival=0.0):
+        return Request(rid, tokens, SamplingParams(max_tokens=1), arrival_time=arrival, priority=priority)
+    return sched, kv, request
+
+
+def _warm_prefix(sched, kv, request, prefix):
+    """Compute a request holding `prefix` and finish it, so its full blocks stay cached."""
+    warm = request("warm", prefix + [9])
+    sched.add_request(warm)
+    out = sched.schedule()
+    warm.num_computed_tokens += out.scheduled[0].num_new_tokens
+    kv.cache_computed_blocks(warm)
+    sched.finish(warm, "stop")
+
+
+def test_a_waiting_request_with_a_cached_prefix_is_admitted_first_among_equal_priorities():
+    sched, kv, request = _waiting_scheduler()
+    prefix = list(range(100, 116))
+    _warm_prefix(sched, kv, request, prefix)
+    sched.add_request(request("cold", list(range(300, 320)), arrival=1.0))
+    sched.add_request(request("hot", prefix + [7, 8, 9], arrival=2.0))
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["hot"]
+
+
+def test_cached_prefix_preference_never_jumps_a_better_priority():
+    sched, kv, request = _waiting_scheduler()
+    prefix = list(range(100, 116))
+    _warm_prefix(sched, kv, request, prefix)
+    sched.add_request(request("urgent", list(range(300, 320)), priority=-1, arrival=1.0))
+    sched.add_request(request("hot", prefix + [7, 8, 9], arrival=2.0))
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["urgent"]
+
+
+def test_cached_prefix_preference_is_bounded_to_a_window_so_nobody_starves():
+    sched, kv, request = _waiting_scheduler(window=2)
+    prefix = list(range(100, 116))
+    _warm_prefix(sched, kv, request, prefix)
+    for i in range(3):
+        sched.add_request(request(f"cold{i}", list(range(300 + 20 * i, 320 + 20 * i)), arrival=1.0 + i))
+    sched.add_request(request("hot", prefix + [7, 8, 9], arrival=9.0))
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["cold0"]
