@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.model.arch_config import ArchConfig
@@ -86,7 +87,8 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
         _profile_forward(loaded.model, arch, config, device, dtype)
     num_blocks = _count_blocks(config, arch, device, dtype)
     kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-                 for _ in range(arch.num_layers)]
+                 for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
+                               leave=False)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
@@ -99,8 +101,30 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, config.limits.max_logprobs)
     setup = EngineSetup(loaded, runner, kv, device, dtype, num_blocks, block_size, max_len)
+    _warm_up(loaded.model, kv_caches, block_size, device, progress)
     logger.info(setup.summary())
     return setup
+
+
+@torch.inference_mode()
+def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
+    """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
+    from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+    with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
+        n = min(8, block_size)
+        table = torch.zeros(1, dtype=torch.long, device=device)
+        meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None, [PrefillChunk(0, n, n, table)])
+        model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
+                                   kv_caches, meta)[-1:])
+        bar.update(1)
+        mask = (torch.arange(block_size, device=device) <= n).view(1, 1, 1, -1)
+        meta = AttentionMetadata(torch.tensor([n], device=device), 1, table.view(1, 1),
+                                 torch.tensor([n + 1], device=device), mask, [])
+        model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
+                                   torch.tensor([n], device=device), kv_caches, meta))
+        bar.update(1)
+    for cache in kv_caches:
+        cache[:, 0].zero_()
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:

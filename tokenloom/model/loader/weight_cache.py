@@ -40,7 +40,9 @@ class CachedWeights:
         self.stem = stem
         with open(f"{stem}.json") as f:
             self.arch_config = ArchConfig(**json.load(f))
-        self.num_tensors = -1
+        from safetensors import safe_open
+        with safe_open(f"{stem}.safetensors", framework="pt") as f:
+            self.num_tensors = len(f.keys())
 
     @staticmethod
     def lookup(path: str, dtype: torch.dtype) -> "CachedWeights | None":
@@ -57,7 +59,6 @@ class CachedWeights:
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
         with safe_open(f"{self.stem}.safetensors", framework="pt") as f:
-            self.num_tensors = len(f.keys())
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
