@@ -45,7 +45,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
     fill_cache = isinstance(source, GGUFModelFile)
     loaded_tensors = {}
-    bar = tqdm(total=source.num_tensors if source.num_tensors >= 0 else None, desc=f"Loading {os.path.basename(path)}", unit="tensor",
+    bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = 0
     for name, tensor in source.tensors(dtype):
