@@ -47,16 +47,21 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
-    seen = 0
+    seen = set()
     for name, tensor in source.tensors(dtype):
         net.load_weight(name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
-        seen += 1
+        seen.add(name)
         bar.update(1)
     bar.close()
-    if seen == 0:
+    if not seen:
         raise ValueError(f"{path}: no tensors found")
+    missing = sorted(net.checkpoint_names() - seen)
+    if missing:  # the parameters they fill would be left as uninitialized memory
+        from tokenloom.model.loader.gguf_loader import CorruptModelError
+        raise CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): {', '.join(missing[:5])}"
+                                f"{', ...' if len(missing) > 5 else ''}")
     if fill_cache:
         from tokenloom.model.loader import weight_cache
         weight_cache.store(path, dtype, arch, loaded_tensors)

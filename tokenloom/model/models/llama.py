@@ -90,6 +90,20 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
+    def checkpoint_names(self) -> set[str]:
+        """The checkpoint tensors (HF naming) that together fill every parameter through load_weight."""
+        unmerged = {merged: name for name, merged in MERGED.items()}
+        names = set()
+        for name, _ in self.named_parameters():
+            module_path, _, param = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            shards = getattr(self.get_submodule(module_path), "offsets", None)
+            if shards:
+                names.update(f"{parent}.{unmerged[(leaf, shard)]}.{param}" for shard in shards)
+            else:
+                names.add(name)
+        return names
+
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Place one checkpoint tensor (HF naming) into the model."""
         if name == "lm_head.weight" and self.lm_head is None:
