@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata, TorchAttention
 from tokenloom.model.layers.linear import Linear, MergedLinear
 from tokenloom.model.layers.mlp import GatedMLP
@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         try:
             module = self.get_submodule(module_path)
         except AttributeError:
-            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+            raise UnsupportedModelError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
         if hasattr(module, "load"):
             module.load(param, tensor, shard)
         else:
