@@ -5,6 +5,7 @@ stdout tells where it listens. Its stderr goes to a log file that failing tests 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -126,3 +127,37 @@ def metric_values(text: str) -> dict[str, float]:
         key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "").replace(",}", "}")
         out[key] = float(value)
     return out
+
+
+def stream_in_thread(url: str, body: dict, headers: dict | None = None) -> tuple[threading.Thread, dict]:
+    """Start a streamed completion in a thread; the dict gets "status" and "events" (or "exception")."""
+    out: dict = {}
+
+    def run():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                              timeout=120) as r:
+                out["status"] = r.status_code
+                out["events"] = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        out["events"].append(payload if payload == "[DONE]" else json.loads(payload))
+        except Exception as e:  # noqa: BLE001
+            out["exception"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def wait_idle(srv, timeout: float = 60.0, headers: dict | None = None) -> dict[str, float]:
+    """Until the engine reports nothing running, waiting or holding KV blocks; returns the metrics."""
+    deadline = time.time() + timeout
+    while True:
+        m = metric_values(httpx.get(srv.url + "/metrics", headers=headers, timeout=30).text)
+        if (m.get("tokenloom:num_requests_running") == 0 and m.get("tokenloom:num_requests_waiting") == 0
+                and m.get("tokenloom:kv_cache_used_blocks") == 0):
+            return m
+        assert time.time() < deadline, {k: v for k, v in m.items() if "num_requests" in k or "blocks" in k}
+        time.sleep(0.3)

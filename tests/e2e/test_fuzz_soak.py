@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_harness import ServerProcess, metric_values
+from server_harness import ServerProcess, metric_values, wait_idle
 
 API_KEY = "fuzz-key"
 H = {"Authorization": f"Bearer {API_KEY}"}
@@ -43,17 +43,6 @@ def server():
 
 def metrics(srv) -> dict[str, float]:
     return metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
-
-
-def wait_idle(srv, timeout=60.0) -> dict[str, float]:
-    deadline = time.time() + timeout
-    while True:
-        m = metrics(srv)
-        if (m.get("tokenloom:num_requests_running") == 0 and m.get("tokenloom:num_requests_waiting") == 0
-                and m.get("tokenloom:kv_cache_used_blocks") == 0):
-            return m
-        assert time.time() < deadline, {k: v for k, v in m.items() if "num_requests" in k or "blocks" in k}
-        time.sleep(0.3)
 
 
 def check_answer(r: httpx.Response, what) -> None:

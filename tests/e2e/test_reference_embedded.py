@@ -7,7 +7,6 @@ by floating-point summation order. Measured: final-position logits (magnitude up
 from __future__ import annotations
 
 import pytest
-import torch
 
 import helpers
 from tokenloom.sampling_params import SamplingParams

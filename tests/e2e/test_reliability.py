@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, metric_values
+from server_harness import ServerProcess, metric_values, stream_in_thread, wait_idle
 
 API_KEY = "rel-key"
 H = {"Authorization": f"Bearer {API_KEY}"}
@@ -52,18 +52,6 @@ def sse_events(text: str) -> list:
             payload = line[6:]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-def wait_idle(srv, timeout=30.0) -> dict[str, float]:
-    """Until the engine reports nothing running, waiting or holding KV blocks."""
-    deadline = time.time() + timeout
-    while True:
-        m = metrics(srv)
-        if (m.get("tokenloom:num_requests_running") == 0 and m.get("tokenloom:num_requests_waiting") == 0
-                and m.get("tokenloom:kv_cache_used_blocks") == 0):
-            return m
-        assert time.time() < deadline, m
-        time.sleep(0.3)
 
 
 def assert_serves(srv) -> None:
@@ -264,29 +252,6 @@ def test_request_fault_in_engine_fails_alone(server):
 
 # ---------------------------------------------------------------- engine death and hang (last)
 
-def _stream_bg(srv, body):
-    """Start a streamed request; returns (task-like thread, result dict)."""
-    import threading
-    out: dict = {}
-
-    def run():
-        try:
-            with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, headers=H,
-                              timeout=120) as r:
-                out["status"] = r.status_code
-                out["events"] = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        p = line[6:]
-                        out["events"].append(p if p == "[DONE]" else json.loads(p))
-        except Exception as e:  # noqa: BLE001
-            out["exception"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def _wait_health(srv, status, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -304,7 +269,7 @@ def _wait_health(srv, status, timeout):
 def test_engine_fault_restarts_engine(server, fault):
     restarts = metrics(server).get("tokenloom:engine_restarts_total", 0)
     engines = server.engine_pids()
-    t, out = _stream_bg(server, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True})
+    t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True}, headers=H)
     deadline = time.time() + 60
     while not out.get("events") and time.time() < deadline:
         time.sleep(0.05)

@@ -1,16 +1,14 @@
 """Server process lifecycle: graceful SIGTERM, shutdown timeout, no orphans, engine death."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
-from server_harness import ServerProcess, pid_alive
+from server_harness import ServerProcess, pid_alive, stream_in_thread
 
 
 def _wait_gone(pids, timeout=10.0) -> bool:
@@ -20,24 +18,6 @@ def _wait_gone(pids, timeout=10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _stream_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
-    def run():
-        try:
-            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-                out["status"] = r.status_code
-                out["events"] = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        payload = line[6:]
-                        out["events"].append(payload if payload == "[DONE]" else json.loads(payload))
-        except Exception as e:  # noqa: BLE001
-            out["exception"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def _wait_first_chunk(out: dict, timeout=60.0) -> None:
@@ -52,10 +32,9 @@ def test_sigterm_drains_then_errors_and_exits_zero():
     try:
         engines = srv.engine_pids()
         assert len(engines) == 1
-        short, long = {}, {}
-        t_long = _stream_in_thread(srv.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True}, long)
+        t_long, long = stream_in_thread(srv.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True})
         _wait_first_chunk(long)
-        t_short = _stream_in_thread(srv.url, {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}, short)
+        t_short, short = stream_in_thread(srv.url, {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
         _wait_first_chunk(short)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -89,8 +68,7 @@ def test_engine_death_without_restart_exits_nonzero():
     srv = ServerProcess()
     try:
         (engine,) = srv.engine_pids()
-        out = {}
-        t = _stream_in_thread(srv.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True}, out)
+        t, out = stream_in_thread(srv.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True})
         _wait_first_chunk(out)
         os.kill(engine, signal.SIGKILL)
         t0 = time.time()

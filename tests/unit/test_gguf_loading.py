@@ -8,7 +8,6 @@ stored bytes with `gguf.quants.dequantize`, in HF (torch) layout, never through 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

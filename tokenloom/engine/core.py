@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.faults import FaultInjector, recover_failed_step

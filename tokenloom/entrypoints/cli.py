@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_args(p)
         p.set_defaults(func=run_server)
     except ImportError as exc:  # pragma: no cover - only while the server package is incomplete
-        p.set_defaults(func=lambda ns: _fail(f"serve is unavailable: {exc}"))
+        reason = f"serve is unavailable: {exc}"
+        p.set_defaults(func=lambda ns: _fail(reason))
 
     from tokenloom.bench.cli import add_bench_args
     add_bench_args(sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)"))
