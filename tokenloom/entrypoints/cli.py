@@ -77,7 +77,9 @@ def cmd_chat(ns) -> int:
         messages.append({"role": "assistant", "content": text})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser. Subcommands other than `command` skip their heavy imports (FastAPI, httpx),
+    so `tokenloom generate` starts faster; with command=None everything is wired."""
     parser = argparse.ArgumentParser(prog="tokenloom", description="LLM inference and serving engine")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,16 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    try:
-        from tokenloom.entrypoints.openai.api_server import add_serve_args, run_server
-        add_serve_args(p)
-        p.set_defaults(func=run_server)
-    except ImportError as exc:  # pragma: no cover - only while the server package is incomplete
-        reason = f"serve is unavailable: {exc}"
-        p.set_defaults(func=lambda ns: _fail(reason))
+    if command in (None, "serve"):
+        try:
+            from tokenloom.entrypoints.openai.api_server import add_serve_args, run_server
+            add_serve_args(p)
+            p.set_defaults(func=run_server)
+        except ImportError as exc:  # pragma: no cover - only while the server package is incomplete
+            reason = f"serve is unavailable: {exc}"
+            p.set_defaults(func=lambda ns: _fail(reason))
 
-    from tokenloom.bench.cli import add_bench_args
-    add_bench_args(sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)"))
+    p = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)")
+    if command in (None, "bench"):
+        from tokenloom.bench.cli import add_bench_args
+        add_bench_args(p)
     return parser
 
 
@@ -119,8 +124,10 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    command = next((a for a in args if not a.startswith("-")), None)
+    parser = build_parser(command)
+    ns = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     debug = ns.debug or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
