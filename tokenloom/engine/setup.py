@@ -99,7 +99,7 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
                        "(raise --kv-cache-memory or --num-blocks)", max_len, capacity, capacity)
         max_len = capacity
     kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-    runner = ModelRunner(loaded.model, kv_caches, block_size, device, config.limits.max_logprobs)
+    runner = ModelRunner(loaded.model, kv_caches, block_size, device)
     setup = EngineSetup(loaded, runner, kv, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
     logger.info(setup.summary())

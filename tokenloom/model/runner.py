@@ -24,13 +24,12 @@ class SampledTokens:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, max_logprobs: int = 20):
+                 device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.max_logprobs = max_logprobs
         self._workspace = torch.empty(0, device=device, dtype=kv_caches[0].dtype)
 
     @torch.inference_mode()
