@@ -139,10 +139,13 @@ class EngineConfig:
         return cls.from_kwargs(**kwargs)
 
 
-def _env_default(name: str, default, kind):
+def env_default(name: str, default, kind=str):
+    """The value of TOKENLOOM_<NAME> converted to `kind` (bool: 1/true/yes/on), else `default`."""
     raw = os.environ.get("TOKENLOOM_" + name.upper())
     if raw is None:
         return default
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     try:
         return kind(raw)
     except ValueError:
@@ -152,12 +155,12 @@ def _env_default(name: str, default, kind):
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     """Add the engine's flags; defaults come from TOKENLOOM_<NAME> or the dataclasses."""
     if model_positional:
-        parser.add_argument("model", nargs="?", default=_env_default("model", None, str),
+        parser.add_argument("model", nargs="?", default=env_default("model", None, str),
                             help=f"GGUF file, Hugging Face style folder, or {EMBEDDED_MODEL!r} (default)")
     g = parser.add_argument_group("engine")
 
     def opt(name: str, kind, help: str) -> None:
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=_env_default(name, None, kind),
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=env_default(name, None, kind),
                        help=help)
 
     opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -177,5 +180,5 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "(structured-output constraints then apply after the reasoning)")
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
-                   default=_env_default("no_enable_prefix_caching", False, lambda s: s.lower() in ("1", "true", "yes")),
+                   default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

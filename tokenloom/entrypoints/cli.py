@@ -126,11 +126,10 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     command = next((a for a in args if not a.startswith("-")), None)
-    parser = build_parser(command)
-    ns = parser.parse_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    debug = ns.debug or os.environ.get("TOKENLOOM_DEBUG") == "1"
+    debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
+        ns = build_parser(command).parse_args(args)  # TOKENLOOM_<NAME> defaults are read here
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return ns.func(ns) or 0
     except KeyboardInterrupt:
         return 130

@@ -40,33 +40,20 @@ from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQ
 logger = logging.getLogger("tokenloom.server")
 
 
-def _env(name: str, default: Any, kind=str) -> Any:
-    raw = os.environ.get("TOKENLOOM_" + name.upper())
-    if raw is None:
-        return default
-    if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(f"error: environment variable TOKENLOOM_{name.upper()}={raw!r} is not a valid "
-                         f"{kind.__name__}") from None
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags plus the server's; each defaults to TOKENLOOM_<NAME> when set."""
-    from tokenloom.config import add_engine_args
+    from tokenloom.config import add_engine_args, env_default
 
     add_engine_args(parser)
     g = parser.add_argument_group("server")
 
     def opt(name: str, kind, default, help: str, **kw) -> None:
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=_env(name, default, kind),
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=env_default(name, default, kind),
                        help=help + (f" (default {default})" if default is not None else ""), **kw)
 
     def flag(name: str, help: str) -> None:
         g.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true",
-                       default=_env(name, False, bool), help=help)
+                       default=env_default(name, False, bool), help=help)
 
     opt("host", str, "127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     opt("port", int, 8000, "port to listen on (0: any free port)")
