@@ -25,6 +25,7 @@ def _check(ok: bool, message: str) -> None:
 class ModelConfig:
     model: str = EMBEDDED_MODEL
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    matmul_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | float16: linear-layer weights and inputs
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
@@ -33,6 +34,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be one of auto, float32, bfloat16, float16 (got {self.dtype!r})")
+        _check(self.matmul_dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"matmul_dtype must be one of auto, float32, bfloat16, float16 (got {self.matmul_dtype!r})")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
 
@@ -44,8 +47,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA
     num_blocks: int | None = None  # overrides the memory budget
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"kv_cache_dtype must be one of auto, float32, bfloat16, float16 (got {self.kv_cache_dtype!r})")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                f"block_size must be a power of two in 1..256 (got {self.block_size})")
         _check(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB (got {self.kv_cache_memory})")
@@ -164,12 +170,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                        help=help)
 
     opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
+        "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")
     opt("kv_cache_memory", float, "GiB of KV cache on CPU (default 2)")
     opt("gpu_memory_utilization", float, "share of GPU memory for weights, activations and KV cache (default 0.9)")
+    opt("kv_cache_dtype", str, "dtype of the stored keys and values: auto (= --dtype)|float32|bfloat16|float16; "
+        "bfloat16 halves the bytes decode attention reads")
     opt("num_blocks", int, "number of KV blocks (overrides the memory budget)")
     opt("max_num_seqs", int, "most requests running at once (default 64)")
     opt("max_num_batched_tokens", int, "token budget of one engine step (default 1024)")

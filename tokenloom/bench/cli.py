@@ -17,6 +17,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run HF transformers (batched, padded, greedy) on the same prompts and report the ratio")
     p.add_argument("--transformers-batch", type=int, default=32)
+    p.add_argument("--transformers-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype transformers runs in (its weights and activations)")
     p.add_argument("--decode-profile", type=int, default=32, metavar="BATCH",
                    help="time a decode step at this batch size against the model's matmuls alone (0 = skip)")
     p.add_argument("--profile", action="store_true",

@@ -22,7 +22,7 @@ def matmul_seconds(model: torch.nn.Module, batch: int, repeats: int = 5) -> floa
     """Every linear layer plus the LM head, on [batch, in] inputs."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = {m: torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype) for m in linears}
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.head_weight()
     x_head = torch.randn(batch, head.shape[1], dtype=head.dtype)
 
     def run():

@@ -8,7 +8,8 @@ import torch
 from tqdm import tqdm
 
 
-def run_transformers(model_path: str, prompts: list[list[int]], output_len: int, batch: int) -> dict:
+def run_transformers(model_path: str, prompts: list[list[int]], output_len: int, batch: int,
+                     dtype: torch.dtype = torch.float32) -> dict:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -17,7 +18,7 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     else:
         model = _from_gguf(model_path)
-    model.eval()
+    model = model.to(dtype).eval()
     tokens = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -27,7 +28,8 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=0)
             tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed, "batch": batch}
+    return {"elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed, "batch": batch,
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def _from_gguf(path: str):

@@ -52,10 +52,12 @@ def run_throughput(ns) -> int:
               f"(ratio {d['ratio']:.2f})")
     if ns.compare_transformers:
         from tokenloom.bench.hf_baseline import run_transformers
-        hf = run_transformers(llm.engine.setup.loaded.path, prompts, ns.output_len, ns.transformers_batch)
+        import torch
+        hf = run_transformers(llm.engine.setup.loaded.path, prompts, ns.output_len, ns.transformers_batch,
+                              getattr(torch, ns.transformers_dtype))
         results["transformers"] = hf
         results["speedup_vs_transformers"] = results["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        print(f"transformers: {hf['output_tokens_per_s']:.1f} output tokens/s (batch {ns.transformers_batch}); "
+        print(f"transformers: {hf['output_tokens_per_s']:.1f} output tokens/s (batch {ns.transformers_batch}, {hf['dtype']}); "
               f"tokenloom is {results['speedup_vs_transformers']:.2f}x")
     if ns.json_path:
         with open(ns.json_path, "w") as f:

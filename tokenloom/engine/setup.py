@@ -38,7 +38,8 @@ class EngineSetup:
         return self.num_blocks * self.block_size // self.max_model_len
 
     def summary(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens; "
+        kv_dtype = _name(self.runner.kv_caches[0].dtype)
+        return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens; "
                 f"{self.full_length_requests} requests of {self.max_model_len} tokens fit")
 
 
@@ -54,6 +55,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return _DTYPES[name]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -80,13 +85,22 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
+    matmul_dtype = pick_dtype(config.model.matmul_dtype, device) if config.model.matmul_dtype != "auto" else dtype
+    if matmul_dtype != dtype:
+        from tokenloom.model.matmul_dtype import cast_matmul_weights, native_bf16_matmul
+        if device.type == "cpu" and matmul_dtype == torch.bfloat16 and not native_bf16_matmul():
+            logger.warning("this CPU has no native bfloat16 dot product; bfloat16 matmuls will be slower")
+        loaded.bytes = cast_matmul_weights(loaded.model, matmul_dtype)
+        logger.info("linear layers compute in %s under %s activations", _name(matmul_dtype), _name(dtype))
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size
     if device.type == "cuda":
         _profile_forward(loaded.model, arch, config, device, dtype)
-    num_blocks = _count_blocks(config, arch, device, dtype)
-    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
+    num_blocks = _count_blocks(config, arch, device, kv_dtype)
+    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype,
+                             device=device)
                  for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
                                leave=False)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+from tokenloom.model.layers.attention import DECODE_GROUP, AttentionMetadata, PrefillChunk
 from tokenloom.profiler import PROFILER
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -88,7 +88,8 @@ class ModelRunner:
             table = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = table
-            meta.decode_workspace = self._decode_workspace(table.numel())
+            group = len(decode_tables) if dev.type == "cuda" else min(len(decode_tables), DECODE_GROUP)
+            meta.decode_workspace = self._decode_workspace(group * width)
             meta.decode_context_lens = lens
             meta.decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)).view(
                 len(decode_tables), 1, 1, width * bs)

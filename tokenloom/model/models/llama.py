@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata, TorchAttention
-from tokenloom.model.layers.linear import Linear, MergedLinear
+from tokenloom.model.layers.linear import Linear, MergedLinear, mixed_linear
 from tokenloom.model.layers.mlp import GatedMLP
 from tokenloom.model.layers.norm import RMSNorm
 from tokenloom.model.layers.rotary import RotaryEmbedding
@@ -82,13 +82,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.tied_head_weight: torch.Tensor | None = None  # a reduced-precision copy of the tied embedding
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's weight, as compute_logits multiplies by it."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return self.model.embed_tokens.weight if self.tied_head_weight is None else self.tied_head_weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return mixed_linear(hidden, self.head_weight()).float()
 
     def checkpoint_names(self) -> set[str]:
         """The checkpoint tensors (HF naming) that together fill every parameter through load_weight."""

@@ -1,0 +1,71 @@
+"""Decode attention over the paged cache: sequences in groups, and a reduced-precision KV cache."""
+from __future__ import annotations
+
+import torch
+
+import helpers
+from tokenloom.model.layers.attention import DECODE_GROUP, AttentionMetadata, TorchAttention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+
+
+def _decode_inputs(batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 30, (batch,), generator=g)
+    width = int((lens.max() + BLOCK - 1) // BLOCK)
+    num_blocks = batch * width + 1
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+    tables = torch.randperm(num_blocks - 1, generator=g)[: batch * width].view(batch, width) + 1
+    mask = (torch.arange(width * BLOCK).unsqueeze(0) < lens.unsqueeze(1)).view(batch, 1, 1, -1)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
+    return q, cache, tables, lens, mask
+
+
+def _reference(q, cache, tables, lens):
+    """Each sequence alone, its keys and values read block by block."""
+    rows = []
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        keys = cache[0][tables[i]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].repeat_interleave(HEADS // KV_HEADS, 1)
+        values = cache[1][tables[i]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].repeat_interleave(HEADS // KV_HEADS, 1)
+        scores = torch.einsum("hd,thd->ht", q[i], keys) * HEAD_DIM ** -0.5
+        rows.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values).reshape(-1))
+    return torch.stack(rows)
+
+
+def _decode(q, cache, tables, lens, mask):
+    attn = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), q.shape[0], tables, lens, mask, [])
+    return attn._decode(q, cache[0], cache[1], meta)
+
+
+def test_decode_batch_spanning_several_groups_matches_each_sequence_alone():
+    batch = 2 * DECODE_GROUP + 5  # two full groups and a partial one
+    q, cache, tables, lens, mask = _decode_inputs(batch)
+    torch.testing.assert_close(_decode(q, cache, tables, lens, mask), _reference(q, cache, tables, lens),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_kv_cache_decode_stays_close_to_float32():
+    q, cache, tables, lens, mask = _decode_inputs(DECODE_GROUP + 3, seed=1)
+    got = _decode(q, cache.bfloat16(), tables, lens, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(q, cache, tables, lens), rtol=0, atol=3e-2)
+
+
+def test_engine_allocates_a_bfloat16_kv_cache_holding_twice_the_blocks(make_core):
+    full = make_core(kv_cache_memory=0.01)
+    half = make_core(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")
+    assert half.setup.runner.kv_caches[0].dtype == torch.bfloat16
+    assert half.setup.num_blocks == 2 * full.setup.num_blocks
+    assert "KV cache (bfloat16)" in half.setup.summary()
+
+
+def test_more_concurrent_decodes_than_one_group_give_each_prompt_its_greedy_output_alone(make_core):
+    core = make_core(max_num_seqs=64)
+    prompts = helpers.random_prompts(2 * DECODE_GROUP + 7, [1, 5, 9, 17, 30], vocab=512)
+    outputs = helpers.generate_tokens(core, prompts, helpers.greedy_params(12))
+    model = core.setup.loaded.model
+    for prompt, out in zip(prompts, outputs):
+        assert len(out) == 12
+        assert helpers.greedy_mismatch(model, prompt, out) is None
