@@ -168,7 +168,7 @@ class AsyncLLM:
             "block_size": self.info.get("block_size"),
             "num_gpu_blocks": self.info.get("num_blocks"),
             "enable_prefix_caching": self.config.cache.enable_prefix_caching,
-            "cache_dtype": self.info.get("dtype", self.config.model.dtype),
+            "cache_dtype": self.info.get("kv_cache_dtype", self.info.get("dtype", self.config.model.dtype)),
         }
         self.metrics = ServerMetrics(self.served_model_name, cache_info)
         self._started = True

@@ -80,6 +80,9 @@ def engine_info(core: Any, config: Any) -> dict[str, Any]:
                 pass
         info.setdefault("device", str(getattr(setup, "device", "")))
         info.setdefault("dtype", str(getattr(setup, "dtype", "")).replace("torch.", ""))
+        runner = getattr(setup, "runner", None)
+        if runner is not None:
+            info.setdefault("kv_cache_dtype", str(runner.kv_caches[0].dtype).replace("torch.", ""))
         arch = getattr(setup, "arch", None)
         if arch is not None:
             for key in ("vocab_size", "max_position_embeddings", "eos_token_ids"):
