@@ -52,8 +52,12 @@ def _err(name: str, value: Any, allowed: str) -> SamplingParamsError:
     return SamplingParamsError(name, f"{name} must be {allowed}, got {value!r}")
 
 
+_INT64 = (-2 ** 63, 2 ** 63 - 1)
+
+
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """A plain int that fits in 64 bits (what msgpack, torch and the engine carry)."""
+    return isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
 
 
 def _is_real(v: Any) -> bool:

@@ -303,3 +303,10 @@ def test_garbage_values_only_ever_raise_sampling_params_error(field, value):
     else:
         # Whatever is accepted is transportable.
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+
+
+@pytest.mark.parametrize("field", ["n", "best_of", "max_tokens", "seed", "top_k", "logprobs"])
+def test_ints_beyond_64_bits_are_rejected_naming_the_field(field):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**{field: 2 ** 64})
+    assert info.value.field == field
