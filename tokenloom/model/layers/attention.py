@@ -28,7 +28,8 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None  # [num_decodes]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
+    # [num_decodes, 1, 1, max_blocks * block_size]: True = attend, or additive (0 / -inf) in the KV cache dtype
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     # [2, num_decodes * max_blocks, block elements]: reused buffer for the decodes' gathered K and V.
     # Fresh tens-of-MB temporaries each layer cost page faults that can double a decode step on CPU.
