@@ -33,9 +33,10 @@ def _reference(q, cache, tables, lens):
     return torch.stack(rows)
 
 
-def _decode(q, cache, tables, lens, mask):
+def _decode(q, cache, tables, lens, mask, group_blocks=None):
     attn = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), q.shape[0], tables, lens, mask, [])
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), q.shape[0], tables, lens, mask, [],
+                             decode_group_blocks=group_blocks)
     return attn._decode(q, cache[0], cache[1], meta)
 
 
@@ -44,6 +45,18 @@ def test_decode_batch_spanning_several_groups_matches_each_sequence_alone():
     q, cache, tables, lens, mask = _decode_inputs(batch)
     torch.testing.assert_close(_decode(q, cache, tables, lens, mask), _reference(q, cache, tables, lens),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_groups_sorted_by_length_attend_over_only_their_own_blocks():
+    batch = 2 * DECODE_GROUP + 5
+    q, cache, tables, lens, mask = _decode_inputs(batch, seed=2)
+    order = lens.argsort()
+    q, tables, lens, mask = q[order], tables[order], lens[order], mask[order]
+    blocks = [int(lens[i:i + DECODE_GROUP].max() + BLOCK - 1) // BLOCK for i in range(0, batch, DECODE_GROUP)]
+    assert blocks[0] < tables.shape[1]  # the short group really reads fewer blocks
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(_decode(q, cache, tables, lens, additive, blocks),
+                               _reference(q, cache, tables, lens), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_kv_cache_decode_stays_close_to_float32():

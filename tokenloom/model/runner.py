@@ -38,7 +38,8 @@ class ModelRunner:
         for src, dst in sched.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
+        # Decodes first, shortest context first, so each attention group pads only to its own longest.
+        order = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens > 1, s.request.num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
             input_ids, positions, meta, logit_rows = self._prepare(order)
         with PROFILER.section("forward"):
@@ -84,13 +85,16 @@ class ModelRunner:
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
             decode_mask=None, prefills=prefills)
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+            width = max((n + bs - 1) // bs for n in decode_lens)
+            table = torch.tensor([t[:width] + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
+                                 device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = table
             group = len(decode_tables) if dev.type == "cuda" else min(len(decode_tables), DECODE_GROUP)
             meta.decode_workspace = self._decode_workspace(group * width)
             meta.decode_context_lens = lens
+            meta.decode_group_blocks = [(max(decode_lens[i:i + group]) + bs - 1) // bs
+                                        for i in range(0, len(decode_lens), group)]
             padding = torch.arange(width * bs, device=dev).unsqueeze(0) >= lens.unsqueeze(1)
             # Additive, in the dtype SDPA computes in: a boolean mask is converted on every call (~10%).
             meta.decode_mask = torch.zeros(padding.shape, dtype=self.kv_caches[0].dtype, device=dev).masked_fill_(

@@ -34,6 +34,8 @@ class AttentionMetadata:
     # [2, num_decodes * max_blocks, block elements]: reused buffer for the decodes' gathered K and V.
     # Fresh tens-of-MB temporaries each layer cost page faults that can double a decode step on CPU.
     decode_workspace: torch.Tensor | None = None
+    # Blocks each group of decodes attends over (its longest context); None: all of decode_block_tables.
+    decode_group_blocks: list[int] | None = None
 
 
 # Decode sequences attended per SDPA call; 16 keeps a group's gathered K/V (a few MB at a few hundred tokens)
@@ -74,21 +76,26 @@ class TorchAttention:
 
         Sequences go DECODE_GROUP at a time, so each group's gathered K and V are still in the CPU's cache
         when SDPA reads them (one pass over the whole batch would spill them to memory and read them back).
-        With a reduced-precision KV cache, SDPA runs in the cache's dtype (reading half the bytes)."""
+        The runner orders decodes by context length, so a group gathers and attends over only the blocks
+        its own longest sequence needs. With a reduced-precision KV cache, SDPA runs in the cache's dtype
+        (reading half the bytes)."""
         b = q.shape[0]
         out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         tables, mask = meta.decode_block_tables, meta.decode_mask
         group = b if q.is_cuda else DECODE_GROUP
-        for start in range(0, b, group):
+        for i, start in enumerate(range(0, b, group)):
             end = min(start + group, b)
             n = end - start
+            width = tables.shape[1] if meta.decode_group_blocks is None else meta.decode_group_blocks[i]
             ws = meta.decode_workspace
-            keys = _gather_blocks(k_cache, tables[start:end], None if ws is None else ws[0, :n * tables.shape[1]])
-            values = _gather_blocks(v_cache, tables[start:end], None if ws is None else ws[1, :n * tables.shape[1]])
+            group_tables = tables[start:end, :width]
+            keys = _gather_blocks(k_cache, group_tables, None if ws is None else ws[0, :n * width])
+            values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
             keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
-            o = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask[start:end], scale=self.scale)
+            group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
+            o = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=group_mask, scale=self.scale)
             out[start:end] = o.reshape(n, -1)
         return out
 
