@@ -66,6 +66,26 @@ def test_bfloat16_kv_cache_decode_stays_close_to_float32():
     torch.testing.assert_close(got, _reference(q, cache, tables, lens), rtol=0, atol=3e-2)
 
 
+def test_block_diagonal_decode_computes_exact_attention():
+    """The reduced-precision CPU path, run in float32 so any error is the algorithm's, not rounding's."""
+    q, cache, tables, lens, mask = _decode_inputs(5, seed=3)
+    n, width = tables.shape
+    keys = cache[0][tables].reshape(n, -1, KV_HEADS * HEAD_DIM)
+    values = cache[1][tables].reshape(n, -1, KV_HEADS * HEAD_DIM)
+    additive = torch.zeros(n, 1, width * BLOCK).masked_fill(~mask.view(n, 1, -1), float("-inf"))
+    got = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)._block_diagonal(
+        q.view(n, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), keys, values, additive)
+    torch.testing.assert_close(got, _reference(q, cache, tables, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_kv_cache_with_an_additive_mask_takes_the_block_diagonal_path_and_stays_close():
+    q, cache, tables, lens, mask = _decode_inputs(DECODE_GROUP + 3, seed=4)
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+    got = _decode(q, cache.bfloat16(), tables, lens, additive)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(q, cache, tables, lens), rtol=0, atol=3e-2)
+
+
 def test_engine_allocates_a_bfloat16_kv_cache_holding_twice_the_blocks(make_core):
     full = make_core(kv_cache_memory=0.01)
     half = make_core(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")

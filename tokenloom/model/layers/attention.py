@@ -41,6 +41,9 @@ class AttentionMetadata:
 # Decode sequences attended per SDPA call; 16 keeps a group's gathered K/V (a few MB at a few hundred tokens)
 # in cache on CPU, measured 15-25% faster than one call over 64 sequences.
 DECODE_GROUP = 16
+# Reduced-precision K/V on CPU: block-diagonal GEMMs instead of SDPA (batch-64 decode step 260 -> 230 ms,
+# batch 32 107 -> 104 ms, measured interleaved in one process). With float32 K/V the two tie; SDPA stays.
+_USE_BLOCK_DIAGONAL = True
 
 
 class TorchAttention:
@@ -91,13 +94,35 @@ class TorchAttention:
             group_tables = tables[start:end, :width]
             keys = _gather_blocks(k_cache, group_tables, None if ws is None else ws[0, :n * width])
             values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
-            keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
+            if (_USE_BLOCK_DIAGONAL and keys.dtype != torch.float32 and not q.is_cuda
+                    and group_mask.is_floating_point()):
+                out[start:end] = self._block_diagonal(group_q, keys.view(n, -1, self.num_kv_heads * self.head_dim),
+                                                      values.view(n, -1, self.num_kv_heads * self.head_dim),
+                                                      group_mask.view(n, 1, -1))
+                continue
+            keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=group_mask, scale=self.scale)
             out[start:end] = o.reshape(n, -1)
         return out
+
+    def _block_diagonal(self, q, keys, values, mask) -> torch.Tensor:
+        """Decode attention for reduced-precision K/V on CPU as two batched GEMMs per group.
+
+        q: [n, KVH, G, D]; keys, values: [n, L, KVH*D] as gathered; mask: [n, 1, L] additive.
+        Each sequence's queries form a block-diagonal [KVH*G, KVH*D] matrix (zeros where a query head
+        meets another KV head's columns), so all heads' scores come from one [KVH*G, KVH*D] x [KVH*D, L]
+        product. It computes KVH times the useful FLOPs, yet beats SDPA, whose per-head GEMMs with G query
+        rows are dominated by call overhead. The output keeps the diagonal blocks."""
+        n, kvh, g, d = q.shape
+        blocks = q.new_zeros(n, kvh, g, kvh, d)
+        torch.diagonal(blocks, dim1=1, dim2=3).copy_(q.permute(0, 2, 3, 1))
+        scores = torch.bmm(blocks.view(n, kvh * g, kvh * d), keys.transpose(1, 2)).float()
+        probs = torch.softmax(scores.mul_(self.scale).add_(mask), dim=-1).to(values.dtype)
+        out = torch.bmm(probs, values).view(n, kvh, g, kvh, d)
+        return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, -1)
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         n = chunk.end - chunk.start
