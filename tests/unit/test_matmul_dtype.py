@@ -1,6 +1,8 @@
 """Reduced-precision matmul weights under float32 activations (--matmul-dtype)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ import helpers
 from tokenloom.config import ConfigError, ModelConfig
 from tokenloom.model.layers.linear import Linear, mixed_linear
 from tokenloom.model.loader import load_model
-from tokenloom.model.matmul_dtype import cast_matmul_weights
+from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 
 
 def test_unknown_matmul_dtype_is_a_config_error():
@@ -47,3 +49,12 @@ def test_bfloat16_matmuls_keep_logits_close_to_float32(tiny_models, kind):
     assert fast.dtype == torch.float32
     relative = ((fast - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
     assert 0 < relative < 0.02
+
+
+def test_float32_counts_as_native_everywhere_and_reduced_precision_follows_the_cpu_flags():
+    assert native_cpu_matmul(torch.float32)
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo on this OS")
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    assert native_cpu_matmul(torch.bfloat16) == bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -87,9 +87,10 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     arch = loaded.arch
     matmul_dtype = pick_dtype(config.model.matmul_dtype, device) if config.model.matmul_dtype != "auto" else dtype
     if matmul_dtype != dtype:
-        from tokenloom.model.matmul_dtype import cast_matmul_weights, native_bf16_matmul
-        if device.type == "cpu" and matmul_dtype == torch.bfloat16 and not native_bf16_matmul():
-            logger.warning("this CPU has no native bfloat16 dot product; bfloat16 matmuls will be slower")
+        from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
+        if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
+            logger.warning("this CPU has no native %s dot product; %s matmuls will be slower than float32",
+                           _name(matmul_dtype), _name(matmul_dtype))
         loaded.bytes = cast_matmul_weights(loaded.model, matmul_dtype)
         logger.info("linear layers compute in %s under %s activations", _name(matmul_dtype), _name(dtype))
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,

@@ -24,11 +24,16 @@ def cast_matmul_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (otherwise oneDNN emulates it, slower than float32)."""
+_NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def native_cpu_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (otherwise oneDNN emulates it, slower than float32)."""
+    if dtype not in _NATIVE_FLAGS:
+        return True
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            flags = set(f.read().split())
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return any(flag in flags for flag in _NATIVE_FLAGS[dtype])
