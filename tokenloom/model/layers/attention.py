@@ -69,12 +69,12 @@ class TorchAttention:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             d = meta.num_decodes
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+            self._decode(q[:d], k_cache, v_cache, meta, out[:d])
         for chunk in meta.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy).
 
         Sequences go DECODE_GROUP at a time, so each group's gathered K and V are still in the CPU's cache
@@ -83,7 +83,8 @@ class TorchAttention:
         its own longest sequence needs. With a reduced-precision KV cache, SDPA runs in the cache's dtype
         (reading half the bytes)."""
         b = q.shape[0]
-        out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         tables, mask = meta.decode_block_tables, meta.decode_mask
         group = b if q.is_cuda else DECODE_GROUP
         for i, start in enumerate(range(0, b, group)):
@@ -98,9 +99,9 @@ class TorchAttention:
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
             if (_USE_BLOCK_DIAGONAL and keys.dtype != torch.float32 and not q.is_cuda
                     and group_mask.is_floating_point()):
-                out[start:end] = self._block_diagonal(group_q, keys.view(n, -1, self.num_kv_heads * self.head_dim),
-                                                      values.view(n, -1, self.num_kv_heads * self.head_dim),
-                                                      group_mask.view(n, 1, -1))
+                o = self._block_diagonal(group_q, keys.view(n, -1, self.num_kv_heads * self.head_dim),
+                                         values.view(n, -1, self.num_kv_heads * self.head_dim), group_mask.view(n, 1, -1))
+                out[start:end].view(o.shape).copy_(o)
                 continue
             keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -122,7 +123,7 @@ class TorchAttention:
         scores = torch.bmm(blocks.view(n, kvh * g, kvh * d), keys.transpose(1, 2)).float()
         probs = torch.softmax(scores.mul_(self.scale).add_(mask), dim=-1).to(values.dtype)
         out = torch.bmm(probs, values).view(n, kvh, g, kvh, d)
-        return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, -1)
+        return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2)  # [n, KVH, G, D], a strided view
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         n = chunk.end - chunk.start

@@ -38,12 +38,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; rotates the two halves of the last dim."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._lookup(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of these positions; every layer shares this module and the same positions tensor
+        within one forward, so the lookup runs once per forward instead of once per layer."""
+        if self._last is None or self._last[0] is not positions:
+            self._last = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._last[1], self._last[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
