@@ -21,6 +21,11 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_dtype(name: str, value: str) -> None:
+    _check(value in ("auto", "float32", "bfloat16", "float16"),
+           f"{name} must be one of auto, float32, bfloat16, float16 (got {value!r})")
+
+
 @dataclass
 class ModelConfig:
     model: str = EMBEDDED_MODEL
@@ -32,10 +37,8 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"dtype must be one of auto, float32, bfloat16, float16 (got {self.dtype!r})")
-        _check(self.matmul_dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"matmul_dtype must be one of auto, float32, bfloat16, float16 (got {self.matmul_dtype!r})")
+        _check_dtype("dtype", self.dtype)
+        _check_dtype("matmul_dtype", self.matmul_dtype)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
 
@@ -50,8 +53,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
-        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"kv_cache_dtype must be one of auto, float32, bfloat16, float16 (got {self.kv_cache_dtype!r})")
+        _check_dtype("kv_cache_dtype", self.kv_cache_dtype)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                f"block_size must be a power of two in 1..256 (got {self.block_size})")
         _check(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB (got {self.kv_cache_memory})")

@@ -57,7 +57,8 @@ def run_throughput(ns) -> int:
                               getattr(torch, ns.transformers_dtype))
         results["transformers"] = hf
         results["speedup_vs_transformers"] = results["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        print(f"transformers: {hf['output_tokens_per_s']:.1f} output tokens/s (batch {ns.transformers_batch}, {hf['dtype']}); "
+        print(f"transformers: {hf['output_tokens_per_s']:.1f} output tokens/s "
+              f"(batch {ns.transformers_batch}, {hf['dtype']}); "
               f"tokenloom is {results['speedup_vs_transformers']:.2f}x")
     if ns.json_path:
         with open(ns.json_path, "w") as f:

@@ -57,6 +57,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _same_or(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """A dtype option whose "auto" means the model dtype (--matmul-dtype, --kv-cache-dtype)."""
+    return model_dtype if name == "auto" else _DTYPES[name]
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -85,7 +90,7 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
-    matmul_dtype = pick_dtype(config.model.matmul_dtype, device) if config.model.matmul_dtype != "auto" else dtype
+    matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
@@ -98,7 +103,7 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     block_size = config.cache.block_size
     if device.type == "cuda":
         _profile_forward(loaded.model, arch, config, device, dtype)
-    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
+    kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
     num_blocks = _count_blocks(config, arch, device, kv_dtype)
     kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype,
                              device=device)

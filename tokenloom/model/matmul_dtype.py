@@ -19,7 +19,7 @@ def cast_matmul_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight = torch.nn.Parameter(module.weight.data.to(dtype), requires_grad=False)
-    if getattr(model, "lm_head", "absent") is None:  # tied: the embedding lookup keeps full precision
+    if hasattr(model, "tied_head_weight") and model.lm_head is None:  # tied: the lookup keeps full precision
         model.tied_head_weight = model.model.embed_tokens.weight.data.to(dtype)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

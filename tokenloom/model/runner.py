@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.model.layers.attention import DECODE_GROUP, AttentionMetadata, PrefillChunk
+from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk, decode_group_size
 from tokenloom.profiler import PROFILER
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -90,7 +90,7 @@ class ModelRunner:
                                  device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = table
-            group = len(decode_tables) if dev.type == "cuda" else min(len(decode_tables), DECODE_GROUP)
+            group = decode_group_size(len(decode_tables), dev)
             meta.decode_workspace = self._decode_workspace(group * width)
             meta.decode_context_lens = lens
             meta.decode_group_blocks = [(max(decode_lens[i:i + group]) + bs - 1) // bs

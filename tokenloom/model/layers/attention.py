@@ -38,12 +38,14 @@ class AttentionMetadata:
     decode_group_blocks: list[int] | None = None
 
 
-# Decode sequences attended per SDPA call; 16 keeps a group's gathered K/V (a few MB at a few hundred tokens)
-# in cache on CPU, measured 15-25% faster than one call over 64 sequences.
+# Decode sequences attended per call on CPU; 16 keeps a group's gathered K/V (a few MB at a few hundred
+# tokens) in cache, measured 15-25% faster than one call over 64 sequences.
 DECODE_GROUP = 16
-# Reduced-precision K/V on CPU: block-diagonal GEMMs instead of SDPA (batch-64 decode step 260 -> 230 ms,
-# batch 32 107 -> 104 ms, measured interleaved in one process). With float32 K/V the two tie; SDPA stays.
-_USE_BLOCK_DIAGONAL = True
+
+
+def decode_group_size(num_decodes: int, device: torch.device) -> int:
+    """Decodes attended together: all of them on CUDA, DECODE_GROUP at a time on CPU."""
+    return num_decodes if device.type == "cuda" else min(num_decodes, DECODE_GROUP)
 
 
 class TorchAttention:
@@ -78,15 +80,16 @@ class TorchAttention:
         """One query per sequence, so the heads sharing a KV head act as that head's queries (no GQA copy).
 
         Sequences go DECODE_GROUP at a time, so each group's gathered K and V are still in the CPU's cache
-        when SDPA reads them (one pass over the whole batch would spill them to memory and read them back).
+        when they are read (one pass over the whole batch would spill them to memory and read them back).
         The runner orders decodes by context length, so a group gathers and attends over only the blocks
-        its own longest sequence needs. With a reduced-precision KV cache, SDPA runs in the cache's dtype
-        (reading half the bytes)."""
+        its own longest sequence needs. A reduced-precision KV cache is read in its own dtype (half the
+        bytes); on CPU it takes the block-diagonal GEMMs (batch-64 decode step 260 -> 230 ms, measured
+        interleaved), with float32 K/V the two tie and SDPA stays."""
         b = q.shape[0]
         if out is None:
             out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         tables, mask = meta.decode_block_tables, meta.decode_mask
-        group = b if q.is_cuda else DECODE_GROUP
+        group = decode_group_size(b, q.device)
         for i, start in enumerate(range(0, b, group)):
             end = min(start + group, b)
             n = end - start
@@ -97,10 +100,10 @@ class TorchAttention:
             values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
-            if (_USE_BLOCK_DIAGONAL and keys.dtype != torch.float32 and not q.is_cuda
-                    and group_mask.is_floating_point()):
-                o = self._block_diagonal(group_q, keys.view(n, -1, self.num_kv_heads * self.head_dim),
-                                         values.view(n, -1, self.num_kv_heads * self.head_dim), group_mask.view(n, 1, -1))
+            if keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point():
+                width_kv = self.num_kv_heads * self.head_dim
+                o = self._block_diagonal(group_q, keys.view(n, -1, width_kv), values.view(n, -1, width_kv),
+                                         group_mask.view(n, 1, -1))
                 out[start:end].view(o.shape).copy_(o)
                 continue
             keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)

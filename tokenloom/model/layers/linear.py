@@ -50,7 +50,7 @@ def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x @ weight.T + bias in the weight's dtype when it differs from x's (reduced-precision matmul weights),
     with the result and the bias addition back in x's dtype."""
     if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
+        return F.linear(x, weight, bias)
     out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
     return out if bias is None else out.add_(bias)
 
