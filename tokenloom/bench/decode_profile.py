@@ -4,9 +4,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from tokenloom.model.layers.linear import Linear
+from tokenloom.model.layers.linear import Linear, mixed_linear
 
 
 def _time(fn, repeats: int) -> float:
@@ -27,8 +26,8 @@ def matmul_seconds(model: torch.nn.Module, batch: int, repeats: int = 5) -> floa
 
     def run():
         for m in linears:
-            F.linear(inputs[m], m.weight, m.bias)
-        F.linear(x_head, head)
+            mixed_linear(inputs[m], m.weight, m.bias)
+        mixed_linear(x_head, head)
     return _time(run, repeats)
 
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
@@ -98,6 +99,8 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
                            _name(matmul_dtype), _name(matmul_dtype))
         loaded.bytes = cast_matmul_weights(loaded.model, matmul_dtype)
         logger.info("linear layers compute in %s under %s activations", _name(matmul_dtype), _name(dtype))
+    if can_prepack(device):
+        logger.info("%d matmul weights prepacked for oneDNN", prepack_linear_weights(loaded.model))
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size

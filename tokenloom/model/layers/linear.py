@@ -47,11 +47,15 @@ class MergedLinear(Linear):
 
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias in the weight's dtype when it differs from x's (reduced-precision matmul weights),
-    with the result and the bias addition back in x's dtype."""
-    if weight.dtype == x.dtype:
+    """x @ weight.T + bias, in the weight's dtype when it differs from x's (reduced-precision matmul weights),
+    with the result and the bias addition back in x's dtype. ``weight`` may be prepacked for oneDNN."""
+    if weight.is_mkldnn:
+        out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
+    elif weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
-    out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    else:
+        out = F.linear(x.to(weight.dtype), weight)
+    out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)
 
 

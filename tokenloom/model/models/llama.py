@@ -82,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.tied_head_weight: torch.Tensor | None = None  # a reduced-precision copy of the tied embedding
+        self.tied_head_weight: torch.Tensor | None = None  # the tied embedding as the head multiplies by it (reduced precision, prepacked)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

