@@ -46,9 +46,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if not logit_rows:
                 return {}
-            rows_index = torch.tensor([row for _, row, _ in logit_rows], device=self.device)
             with PROFILER.section("matmul"):
-                logits = self.model.compute_logits(hidden[rows_index])
+                logits = self.model.compute_logits(self._rows(hidden, [row for _, row, _ in logit_rows]))
         with PROFILER.section("sampling"):
             return self._sample(logit_rows, logits)
 
@@ -102,6 +101,12 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, logit_rows)
 
+    def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """t[rows], without the copy when rows is every row in order (a decode-only step)."""
+        if len(rows) == t.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1 and rows == list(range(len(rows))):
+            return t
+        return t[torch.tensor(rows, device=self.device)]
+
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         cache = self.kv_caches[0]
         block_elems = cache[0, 0].numel()
@@ -134,7 +139,7 @@ class ModelRunner:
             packed = compute_prompt_logprobs(logits[idx], targets, k)
             results.setdefault(id(r), SampledTokens([], [])).prompt_logprobs = _pack(*packed, k)
         if rows:
-            sample_logits = logits[sample_idx]
+            sample_logits = self._rows(logits, sample_idx)
             apply_structured_bitmask(sample_logits, [s.request.structured for s in owners])  # no-op if unconstrained
             out = self.sampler(sample_logits, rows)
             packed = None
