@@ -73,8 +73,9 @@ def test_block_diagonal_decode_computes_exact_attention():
     keys = cache[0][tables].reshape(n, -1, KV_HEADS * HEAD_DIM)
     values = cache[1][tables].reshape(n, -1, KV_HEADS * HEAD_DIM)
     additive = torch.zeros(n, 1, width * BLOCK).masked_fill(~mask.view(n, 1, -1), float("-inf"))
-    got = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)._block_diagonal(
-        q.view(n, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), keys, values, additive).reshape(n, -1)
+    attention = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)
+    scaled_q = q.view(n, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM) * attention.scale
+    got = attention._block_diagonal(scaled_q, keys, values, additive).reshape(n, -1)
     torch.testing.assert_close(got, _reference(q, cache, tables, lens), rtol=1e-5, atol=1e-5)
 
 
