@@ -26,6 +26,15 @@ def test_a_packed_weight_multiplies_like_the_dense_one_with_bias_and_mixed_dtype
     torch.testing.assert_close(got, mixed_linear(x, w.bfloat16(), b), rtol=1e-2, atol=1e-2)
 
 
+def test_a_weight_onednn_cannot_pack_stays_dense_and_still_multiplies():
+    """float16 packing needs AVX-NE-CONVERT or AVX512-FP16; without them the weight is left as it is."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 32), torch.randn(16, 32).half()
+    weight = pack_weight(w)
+    assert weight.is_mkldnn or weight is w  # packed, or handed back untouched
+    torch.testing.assert_close(mixed_linear(x, weight), x.half().float() @ w.float().T, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("kind", ["llama_tied_gqa", "qwen2"])
 @pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
 def test_prepacking_a_model_keeps_its_logits(tiny_models, kind, matmul_dtype):
