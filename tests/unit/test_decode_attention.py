@@ -103,3 +103,28 @@ def test_more_concurrent_decodes_than_one_group_give_each_prompt_its_greedy_outp
     for prompt, out in zip(prompts, outputs):
         assert len(out) == 12
         assert helpers.greedy_mismatch(model, prompt, out) is None
+
+
+def test_bfloat16_decode_takes_sdpa_for_small_groups_and_block_diagonal_gemms_for_large_ones(monkeypatch):
+    import tokenloom.model.layers.attention as attention
+    q, cache, tables, lens, mask = _decode_inputs(DECODE_GROUP + 3, seed=4)
+    cache = cache.bfloat16()
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+    calls = []  # group sizes that took the block-diagonal GEMMs
+    original = TorchAttention._block_diagonal
+
+    def counted(self, group_q, *rest):
+        calls.append(group_q.shape[0])
+        return original(self, group_q, *rest)
+
+    monkeypatch.setattr(TorchAttention, "_block_diagonal", counted)
+    results = {}
+    for threshold in (10 ** 9, 0):
+        monkeypatch.setattr(attention, "BLOCK_DIAGONAL_MIN_TOKENS", threshold)
+        calls.clear()
+        results[threshold] = _decode(q, cache, tables, lens, additive)
+        assert calls == ([] if threshold else [DECODE_GROUP, 3])
+    reference = _reference(q, cache.float(), tables, lens)
+    for got in results.values():
+        torch.testing.assert_close(got, reference, rtol=0, atol=3e-2)
+    torch.testing.assert_close(results[0], results[10 ** 9], rtol=0, atol=2e-2)

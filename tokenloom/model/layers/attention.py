@@ -43,6 +43,12 @@ class AttentionMetadata:
 DECODE_GROUP = 16
 
 
+# Below this many gathered tokens in a group (sequences x padded context), SDPA beats the block-diagonal
+# GEMMs, whose fixed cost of ~70 us per group and layer dominates (bfloat16, one sequence of 256 tokens:
+# 39 vs 94 us; 6 x 256: 135 vs 156 us; 12 x 256: 262 vs 210 us).
+BLOCK_DIAGONAL_MIN_TOKENS = 2048
+
+
 def decode_group_size(num_decodes: int, device: torch.device) -> int:
     """Decodes attended together: all of them on CUDA, DECODE_GROUP at a time on CPU."""
     return num_decodes if device.type == "cuda" else min(num_decodes, DECODE_GROUP)
@@ -83,8 +89,9 @@ class TorchAttention:
         when they are read (one pass over the whole batch would spill them to memory and read them back).
         The runner orders decodes by context length, so a group gathers and attends over only the blocks
         its own longest sequence needs. A reduced-precision KV cache is read in its own dtype (half the
-        bytes); on CPU it takes the block-diagonal GEMMs (batch-64 decode step 260 -> 230 ms, measured
-        interleaved), with float32 K/V the two tie and SDPA stays."""
+        bytes); on CPU a group of over BLOCK_DIAGONAL_MIN_TOKENS gathered tokens takes the block-diagonal
+        GEMMs (batch-64 decode step 260 -> 230 ms, measured interleaved) and a smaller one SDPA. With
+        float32 K/V the two tie and SDPA stays."""
         b = q.shape[0]
         if out is None:
             out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
@@ -100,7 +107,8 @@ class TorchAttention:
             values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim)
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
-            if keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point():
+            if keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point() \
+                    and n * width * k_cache.shape[1] > BLOCK_DIAGONAL_MIN_TOKENS:
                 width_kv = self.num_kv_heads * self.head_dim
                 o = self._block_diagonal((group_q * self.scale).to(keys.dtype), keys.view(n, -1, width_kv),
                                          values.view(n, -1, width_kv), group_mask.view(n, 1, -1))
