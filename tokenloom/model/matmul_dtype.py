@@ -19,12 +19,17 @@ def cast_matmul_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight = torch.nn.Parameter(module.weight.data.to(dtype), requires_grad=False)
-    if hasattr(model, "tied_head_weight") and model.lm_head is None:  # tied: the lookup keeps full precision
+    if has_tied_head(model):  # the lookup keeps full precision
         model.tied_head_weight = model.model.embed_tokens.weight.data.to(dtype)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def has_tied_head(model: torch.nn.Module) -> bool:
+    """Whether the output head multiplies by the input embedding (kept apart in ``tied_head_weight``)."""
+    return hasattr(model, "tied_head_weight") and model.lm_head is None
 
 
 def native_cpu_matmul(dtype: torch.dtype) -> bool:

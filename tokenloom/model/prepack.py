@@ -13,6 +13,7 @@ import logging
 import torch
 
 from tokenloom.model.layers.linear import Linear
+from tokenloom.model.matmul_dtype import has_tied_head
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -39,7 +40,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
         if isinstance(module, Linear) and not module.weight.is_mkldnn:
             module.weight = torch.nn.Parameter(pack_weight(module.weight.data), requires_grad=False)
             packed += module.weight.is_mkldnn
-    if getattr(model, "lm_head", True) is None and not model.head_weight().is_mkldnn:  # tied: the lookup stays dense
+    if has_tied_head(model) and not model.head_weight().is_mkldnn:
         model.tied_head_weight = pack_weight(model.head_weight())
         packed += model.tied_head_weight.is_mkldnn
     return packed

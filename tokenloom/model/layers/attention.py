@@ -107,8 +107,9 @@ class TorchAttention:
             values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim)
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
-            if keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point() \
-                    and n * width * k_cache.shape[1] > BLOCK_DIAGONAL_MIN_TOKENS:
+            block_diagonal = (keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point()
+                              and n * width * k_cache.shape[1] > BLOCK_DIAGONAL_MIN_TOKENS)
+            if block_diagonal:
                 width_kv = self.num_kv_heads * self.head_dim
                 o = self._block_diagonal((group_q * self.scale).to(keys.dtype), keys.view(n, -1, width_kv),
                                          values.view(n, -1, width_kv), group_mask.view(n, 1, -1))

@@ -82,7 +82,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.tied_head_weight: torch.Tensor | None = None  # the tied embedding as the head multiplies by it (reduced precision, prepacked)
+        # The tied embedding as the head multiplies by it (reduced precision, prepacked); the lookup stays dense.
+        self.tied_head_weight: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
