@@ -277,3 +277,11 @@ def random_prompts(n: int, lengths: Sequence[int], vocab: int, seed: int = 0, lo
     """``n`` prompts of token ids in [low, vocab) with the given lengths (cycled)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -87,6 +87,7 @@ def _torchrun_env(name: str, default, kind=str):
 
 
 EXECUTOR_BACKENDS = ("uni", "mp")
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's own default
 
 
 @dataclass
@@ -122,6 +123,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def rendezvous_port(self) -> int | None:
+        """master_port, or torch's usual 29500 when several nodes must agree on it; None: pick a free one."""
+        if self.master_port is not None:
+            return self.master_port
+        return DEFAULT_MASTER_PORT if self.nnodes > 1 else None
 
     @property
     def executor_backend(self) -> str:

@@ -1,7 +1,7 @@
 """A request whose processing raises inside EngineCore.step fails alone; the batch goes on.
 
 Real engine (tiny random Llama), real fault: a prompt token id outside the vocabulary that
-slipped past the frontend's validation makes the embedding lookup raise in the forward.
+slipped past the frontend's validation makes preparing the step's inputs raise.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_bad_request_fails_alone_batch_goes_on(make_core):
     core.add_request(_req("bad", [3, vocab + 17, 4]))  # as if validation had a bug
     core.add_request(_req("fork", [21, 22, 23], n=2))
     got, finished = _run(core)
-    assert finished[("bad", 0)][0] == "error" and "IndexError" in finished[("bad", 0)][1]
+    assert finished[("bad", 0)][0] == "error" and "TokenOutOfVocabulary" in finished[("bad", 0)][1]
     for rid in GOOD:
         assert finished[(rid, 0)] == ("length", None)
         assert got[(rid, 0)] == want[(rid, 0)], rid  # same tokens as without the bad neighbour

@@ -30,7 +30,7 @@ def _llm(ns):
     from tokenloom.entrypoints.llm import LLM
     config = EngineConfig.from_args(ns)
     kwargs = {"kv_cache_memory": 0.25} if ns.kv_cache_memory is None and ns.num_blocks is None else {}
-    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **kwargs}
+    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel), **kwargs}
     return LLM(progress=not ns.quiet, **flat)
 
 

@@ -47,7 +47,7 @@ class MultiprocExecutor(Executor):
         self.from_rank0.setsockopt(zmq.LINGER, 0)
         input_addr = _bind(self.to_rank0)
         output_addr = _bind(self.from_rank0)
-        port = parallel.master_port or _free_port()
+        port = parallel.rendezvous_port or _free_port()
         self.procs: dict[int, subprocess.Popen] = start_workers(config, port, input_addr, output_addr, progress)
         self._closed = False
 
@@ -75,10 +75,10 @@ class MultiprocExecutor(Executor):
         return messages.decode_output(self.from_rank0.recv())
 
     def check_health(self) -> None:
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                raise ExecutorFault(f"worker rank {rank} (pid {proc.pid}) exited with code {code}")
+        dead = [f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+                for rank, proc in self.procs.items() if proc.poll() is not None]
+        if dead:
+            raise ExecutorFault("; ".join(dead))
 
     def shutdown(self) -> None:
         if self._closed:

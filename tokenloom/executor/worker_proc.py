@@ -5,8 +5,10 @@ the engine config (msgspec JSON) on stdin. Rank 0 receives each message from the
 ZMQ, forwards its bytes to the other ranks with a torch.distributed broadcast (so ranks on other
 machines need no socket of their own), and alone answers. Every rank runs the same forward.
 
-A step that raises is logged and answered (rank 0) or skipped (others); the worker lives on, so
-the EngineCore can isolate the request that caused it. A worker whose parent dies is killed
+A step that raises on rank 0 is logged and answered; the worker lives on, so the EngineCore can
+isolate the request that caused it. Another rank goes on only after an error that every rank
+meets before any collective (bad inputs); after any other error it has left its peers mid-step
+and cannot rejoin them, so it exits and the EngineCore reports a lost worker. A worker whose parent dies is killed
 with it (PR_SET_PDEATHSIG), so no rank outlives its engine.
 """
 from __future__ import annotations
@@ -68,6 +70,8 @@ def serve_steps(worker: Worker, receive, reply) -> None:
             out = worker.execute_model(msg.step)
         except Exception as e:  # noqa: BLE001 - the EngineCore decides whose fault it was
             logger.error("rank %d: step failed:\n%s", worker.rank, traceback.format_exc())
+            if worker.rank != 0 and not getattr(e, "before_collectives", False):
+                raise
             reply(messages.StepFailed(error=str(e), kind=type(e).__name__))
         else:
             reply(messages.StepDone(output=out))
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     reply(messages.WorkerReady(info=info))
     try:
         serve_steps(worker, (lambda: inbox.recv()) if first else (lambda: None), reply)
+    except Exception:  # noqa: BLE001 - out of step with its peers: leave at once, without a goodbye
+        os._exit(1)
     finally:
         worker.shutdown()
         for sock in (inbox, outbox):

@@ -19,6 +19,13 @@ from tokenloom.profiler import PROFILER
 from tokenloom.structured.matcher import apply_token_bitmask
 
 
+class TokenOutOfVocabulary(IndexError):
+    """A step input no rank can embed. Raised while preparing inputs, before any collective, and alike on
+    every rank, so the ranks stay in step and the EngineCore isolates the request as in one process."""
+
+    before_collectives = True
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend):
@@ -64,10 +71,19 @@ class ModelRunner:
                 return ModelRunnerOutput() if tp_group().is_first else None
             with PROFILER.section("matmul"):
                 logits = self.model.compute_logits(self._rows(hidden, [row for _, row, _ in logit_rows]))
-        if logits is None:  # not the first rank: it only contributed its share of the vocabulary
-            return None
-        with PROFILER.section("sampling"):
-            return self._sample(logit_rows, logits, step.grammar_bitmask)
+        out = None
+        if logits is not None:  # the first rank; the others only contributed their share of the vocabulary
+            with PROFILER.section("sampling"):
+                out = self._sample(logit_rows, logits, step.grammar_bitmask)
+        self._fork_sampled(logit_rows)
+        return out
+
+    def _fork_sampled(self, logit_rows) -> None:
+        """Every rank splits a sequence that just sampled its n siblings, so all ranks know the same keys."""
+        for r, _, samples in logit_rows:
+            if samples and r.forks:
+                for child in r.fork():
+                    self.requests[child.key] = child
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]):
         bs = self.block_size
@@ -90,6 +106,10 @@ class ModelRunner:
                 logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
             if end == len(r.token_ids):  # every known token's KV is computed: sample the next one
                 logit_rows.append((r, len(ids) - 1, True))
+        vocab_size = self.model.config.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise TokenOutOfVocabulary(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
         dev = self.device
         meta = self.attention.build_metadata(spans, torch.tensor(slots, dtype=torch.long, device=dev))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
@@ -135,10 +155,6 @@ class ModelRunner:
             k = rows[j].params.logprobs
             logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
             out.sampled.setdefault(r.key, []).append(SampledSequence([token], logprobs))
-        for r in {id(r): r for r in owners}.values():
-            if r.forks:
-                for child in r.fork():
-                    self.requests[child.key] = child
         return out
 
 

@@ -32,7 +32,9 @@ from typing import Any
 
 import uvicorn
 
+from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
+from tokenloom.executor.headless import run_headless
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQUESTS, ServerShuttingDownError,
                                                          ServerState)
@@ -181,8 +183,6 @@ async def _restart_engine(server: _Server, engine: AsyncLLM, args: argparse.Name
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from tokenloom.config import EngineConfig
-
     config = EngineConfig.from_args(args)
     served = args.served_model_name or config.model.served_model_name or config.model.model
     print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
@@ -241,6 +241,9 @@ def run_server(args: argparse.Namespace) -> int:
     if args.log_requests != "off":  # request lines are INFO: keep them visible at any --log-level
         logging.getLogger("tokenloom.requests").setLevel(logging.INFO)
     os.environ["TOKENLOOM_LOG_LEVEL"] = logging.getLevelName(level)  # for the engine process
+    config = EngineConfig.from_args(args)
+    if config.parallel.node_rank > 0:  # workers only: node 0 runs the engine and the API
+        return run_headless(config)
     return asyncio.run(serve(args))
 
 
