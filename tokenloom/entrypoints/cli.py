@@ -98,6 +98,27 @@ def cmd_chat(ns) -> int:
     return ChatSession(_llm(ns), _params(ns), ns.system).run()
 
 
+def cmd_cache(ns) -> int:
+    """List the weight cache's entries (or empty it with --clear)."""
+    import time
+
+    from tokenloom.model.loader import weight_cache as wc
+    held = wc.entries()
+    if ns.clear:
+        for entry in held:
+            wc.remove(entry)
+        print(f"removed {len(held)} entr{'y' if len(held) == 1 else 'ies'}, "
+              f"{sum(e.bytes for e in held) / 2 ** 20:,.0f} MiB, from {wc.folder()}")
+        return 0
+    state = "" if wc.enabled() else " (disabled: TOKENLOOM_WEIGHT_CACHE=0)"
+    print(f"weight cache {wc.folder()}{state}: {len(held)} entr{'y' if len(held) == 1 else 'ies'}, "
+          f"{sum(e.bytes for e in held) / 2 ** 20:,.0f} MiB of {wc.max_bytes() / 2 ** 20:,.0f} MiB")
+    for e in held:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        print(f"  {e.bytes / 2 ** 20:8,.0f} MiB  {e.dtype:9} last used {used}  {e.source}")
+    return 0
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser. Subcommands other than `command` skip their heavy imports (FastAPI, httpx),
     so `tokenloom generate` starts faster; with command=None everything is wired."""
@@ -127,6 +148,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             reason = f"serve is unavailable: {exc}"
             p.set_defaults(func=lambda ns: _fail(reason))
 
+    p = sub.add_parser("cache", help="what the weight cache holds (--clear empties it)")
+    p.add_argument("--clear", action="store_true", help="remove every entry")
+    p.set_defaults(func=cmd_cache)
+
     p = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)")
     if command in (None, "bench"):
         from tokenloom.bench.cli import add_bench_args
@@ -141,7 +166,7 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if a in ("serve", "generate", "chat", "bench")), None)
+    command = next((a for a in args if a in ("serve", "generate", "chat", "bench", "cache")), None)
     debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
         ns = build_parser(command).parse_args(args)  # TOKENLOOM_<NAME> defaults are read here
