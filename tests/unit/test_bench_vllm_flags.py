@@ -113,3 +113,12 @@ def test_a_file_that_is_not_sharegpt_is_refused(tmp_path):
     path.write_text('{"prompt": "hi"}')
     with pytest.raises(ValueError, match="ShareGPT"):
         datasets.sharegpt_dataset(str(path), 1)
+
+
+def test_jsonl_lines_are_taken_from_the_start_line_on(tmp_path):
+    """A sweep's later points read the next lines of the file, not the ones an earlier point sent."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(6)))
+    first = [p.prompt for p in datasets.jsonl_dataset(str(path), 2, 4)]
+    second = [p.prompt for p in datasets.jsonl_dataset(str(path), 2, 4, start=2)]
+    assert first == ["prompt 0", "prompt 1"] and second == ["prompt 2", "prompt 3"]

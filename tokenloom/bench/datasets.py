@@ -98,10 +98,10 @@ def shared_prefix_dataset(num_prompts: int, num_groups: int, prefix_len: int, in
 
 
 def jsonl_dataset(path: str, num_prompts: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
-                  tokens_per_word: float = 1.0) -> list[BenchPrompt]:
+                  tokens_per_word: float = 1.0, start: int = 0) -> list[BenchPrompt]:
     """One JSON object per line with a "prompt" string; optional "system" (sent as the shared
-    prefix / system message) and "output_len" (or "max_tokens"). The file is cycled through
-    when it holds fewer than ``num_prompts`` lines."""
+    prefix / system message) and "output_len" (or "max_tokens"). Lines are taken from line
+    ``start`` on, and the file is cycled through when it holds fewer lines than needed."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -121,7 +121,7 @@ def jsonl_dataset(path: str, num_prompts: int, output_len: int, range_ratio: flo
     outs = sample_lengths(rng, output_len, range_ratio, num_prompts)
     out = []
     for k in range(num_prompts):
-        obj = rows[k % len(rows)]
+        obj = rows[(start + k) % len(rows)]
         system = obj.get("system") or ""
         prefix = (system + "\n") if system else ""
         o = obj.get("output_len", obj.get("max_tokens"))

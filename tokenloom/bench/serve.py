@@ -245,7 +245,7 @@ def build_prompts(ns: argparse.Namespace, tokens_per_word: float) -> list[BenchP
     if not ns.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path FILE")
     return datasets.jsonl_dataset(ns.dataset_path, ns.num_prompts, ns.output_len, ns.range_ratio, ns.seed,
-                                  tokens_per_word)
+                                  tokens_per_word, start=getattr(ns, "sweep_index", 0) * ns.num_prompts)
 
 
 # ---------------------------------------------------------------------------------- load
@@ -375,7 +375,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     for k, c in enumerate(concurrencies):
         try:  # warm-up requests come from the same generator (same shared prefixes), after the measured ones
             everything = build_prompts(argparse.Namespace(**dict(vars(ns), num_prompts=ns.num_prompts + ns.warmup,
-                                                                 seed=ns.seed + k)), tpw or 1.0)
+                                                                 seed=ns.seed + k, sweep_index=k)), tpw or 1.0)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
