@@ -70,10 +70,15 @@ def server():
         srv.kill()
 
 
+TEMPLATE = "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:"
+
+
 @pytest.fixture(scope="module")
 def strict_cors_server():
+    """Also: a chat template given inline, and sampling defaults over the generation config."""
     srv = ServerProcess("--allowed-origins", '["http://allowed.example"]', "--allowed-methods", '["GET", "POST"]',
-                        "--allow-credentials")
+                        "--allow-credentials", "--chat-template", TEMPLATE,
+                        "--override-generation-config", '{"max_new_tokens": 3}', "--generation-config", "vllm")
     try:
         yield srv
     finally:
@@ -196,3 +201,19 @@ def test_redoc_page_loads_its_script_from_this_server(server):
     scripts = re.findall(r'src="([^"]+)"', html)
     assert scripts and all(s.startswith("/") and not s.startswith("//") for s in scripts), scripts
     assert server.get(scripts[0]).status_code == 200
+
+
+# ------------------------------------------------------------------ vLLM server flags
+
+def test_chat_template_flag_replaces_the_models_template(strict_cors_server):
+    srv = strict_cors_server
+    ids = srv.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}).json()["tokens"]
+    assert srv.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "Q: hello\nA:"
+
+
+def test_override_generation_config_sets_the_default_max_tokens(strict_cors_server):
+    r = strict_cors_server.post("/v1/chat/completions", json={
+        "model": strict_cors_server.model, "messages": [{"role": "user", "content": "Count to twenty."}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["choices"][0]["finish_reason"] == "length"

@@ -332,7 +332,10 @@ def _apply_generation_config(engine: AsyncLLM, args: argparse.Namespace) -> None
     elif args.generation_config != "auto":
         engine.generation_defaults = load_generation_defaults(args.generation_config)
     if args.override_generation_config:
-        engine.generation_defaults.update(args.override_generation_config)
+        override = dict(args.override_generation_config)
+        if "max_new_tokens" in override:  # the generation_config.json spelling
+            override["max_tokens"] = override.pop("max_new_tokens")
+        engine.generation_defaults.update(override)
     if args.chat_template_text is not None:
         engine.tokenizer.chat_template = args.chat_template_text
 
