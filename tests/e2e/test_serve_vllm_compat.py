@@ -55,7 +55,8 @@ VLLM_BUCKETS = {
 EXPECTED_TYPES = {"vllm:e2e_request_latency_seconds": "histogram", "vllm:request_success_total": "counter",
                   "vllm:num_requests_running": "gauge", "vllm:kv_cache_usage_perc": "gauge",
                   "vllm:prompt_tokens_total": "counter", "vllm:request_prompt_tokens": "histogram",
-                  "vllm:gpu_prefix_cache_hits_total": "counter", "vllm:request_time_per_output_token_seconds": "histogram"}
+                  "vllm:gpu_prefix_cache_hits_total": "counter",
+                  "vllm:request_time_per_output_token_seconds": "histogram"}
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,8 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "tokenloom never downloads models: give a local GGUF file or model folder",
     ("--tool-parser-plugin",): "tool-parser plugins are not supported; see --tool-call-parser",
     ("--middleware",): "custom ASGI middleware is not supported",
-    ("--n-gpu-layers", "-ngl", "--gpu-layers"): "partial GPU offload is not supported; use --device cuda for all layers",
+    ("--n-gpu-layers", "-ngl", "--gpu-layers"):
+        "partial GPU offload is not supported; use --device cuda for all layers",
     ("--mmproj",): "multimodal models are not supported yet",
     ("--limit-mm-per-prompt",): "multimodal models are not supported yet",
     ("--rope-scaling", "--rope-freq-base", "--rope-freq-scale"):

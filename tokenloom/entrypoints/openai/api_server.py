@@ -151,7 +151,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     v.add_argument("--disable-log-requests", dest="log_requests", action="store_const", const="off",
                    default=argparse.SUPPRESS, help="no request log lines (the default; see --log-requests)")
     v.add_argument("--enable-log-requests", dest="log_requests", action="store_const", const="lifecycle",
-                   default=argparse.SUPPRESS, help="one log line per request received and finished (= --log-requests lifecycle)")
+                   default=argparse.SUPPRESS,
+                   help="one log line per request received and finished (= --log-requests lifecycle)")
     v.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
                    default=argparse.SUPPRESS, help="no access log (the default; see --access-log)")
     v.add_argument("--ssl-keyfile", default=env_default("ssl_keyfile", None, str), help="serve HTTPS with this key")
