@@ -72,6 +72,10 @@ def test_unsupported_vllm_flag_fails_in_one_line_naming_it():
     assert_one_line_error(run_serve("--lora-modules", "a=/x"), "--lora-modules", "LoRA is not supported")
 
 
+def test_unknown_flag_fails_in_one_line_pointing_to_help():
+    assert_one_line_error(run_serve("--no-such-flag"), "--no-such-flag", "tokenloom serve --help")
+
+
 def test_bad_option_value_fails_in_one_line():
     assert_one_line_error(run_serve("--kv-cache-dtype", "int3"), "kv_cache_dtype", "int3")
 

@@ -119,10 +119,22 @@ def cmd_cache(ns) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage block), like every other error."""
+
+    command: str | None = None  # set on the root: the subcommand whose --help to point to
+
+    def error(self, message: str):
+        from tokenloom.config import ConfigError
+        prog = f"{self.prog} {self.command}" if self.command else self.prog
+        raise ConfigError(f"{message} (see {prog} --help)")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser. Subcommands other than `command` skip their heavy imports (FastAPI, httpx),
     so `tokenloom generate` starts faster; with command=None everything is wired."""
-    parser = argparse.ArgumentParser(prog="tokenloom", description="LLM inference and serving engine")
+    parser = _Parser(prog="tokenloom", description="LLM inference and serving engine")
+    parser.command = command
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", "-V", action="version", version=f"tokenloom {tokenloom.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -44,21 +44,21 @@ from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQ
 logger = logging.getLogger("tokenloom.server")
 
 
-def _json_list(flag: str):
+def _json_list(raw: str) -> list[str]:
     """vLLM passes CORS lists as JSON ('["http://a.example"]'); a bare comma-separated list is accepted too."""
-    def parse(raw: str) -> list[str]:
-        text = raw.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{flag}: not a JSON list: {raw}") from None
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise argparse.ArgumentTypeError(f"{flag}: expected a JSON list of strings: {raw}")
-            return value
-        return [v.strip() for v in text.split(",") if v.strip()]
-    parse.__name__ = "JSON list"
-    return parse
+    text = raw.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {raw}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings: {raw}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+_json_list.__name__ = "JSON list"
 
 
 def _json_object(raw: str) -> dict:
@@ -123,14 +123,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("parallel", int, None, "llama.cpp's name of --max-num-seqs", dest_override="max_num_seqs")
 
     c = parser.add_argument_group("CORS (as vLLM)")
-    c.add_argument("--allowed-origins", type=_json_list("--allowed-origins"),
-                   default=env_default("allowed_origins", ["*"], _json_list("TOKENLOOM_ALLOWED_ORIGINS")),
+    c.add_argument("--allowed-origins", type=_json_list,
+                   default=env_default("allowed_origins", ["*"], _json_list),
                    help='allowed origins, JSON list (default ["*"])')
-    c.add_argument("--allowed-methods", type=_json_list("--allowed-methods"),
-                   default=env_default("allowed_methods", ["*"], _json_list("TOKENLOOM_ALLOWED_METHODS")),
+    c.add_argument("--allowed-methods", type=_json_list,
+                   default=env_default("allowed_methods", ["*"], _json_list),
                    help='allowed methods, JSON list (default ["*"])')
-    c.add_argument("--allowed-headers", type=_json_list("--allowed-headers"),
-                   default=env_default("allowed_headers", ["*"], _json_list("TOKENLOOM_ALLOWED_HEADERS")),
+    c.add_argument("--allowed-headers", type=_json_list,
+                   default=env_default("allowed_headers", ["*"], _json_list),
                    help='allowed headers, JSON list (default ["*"])')
     c.add_argument("--allow-credentials", action="store_true", default=env_default("allow_credentials", False, bool),
                    help="allow credentials (cookies, Authorization) in cross-origin requests (default off)")
