@@ -32,7 +32,7 @@ def hf_embedded(embedded_path):
 @contextlib.contextmanager
 def _reuse_loaded(loaded_by_path: dict):
     """Make build_engine reuse already loaded weights for known paths (loading is deterministic)."""
-    import tokenloom.engine.setup as setup
+    import tokenloom.executor.setup as setup
     from tokenloom.model.loader.resolve import resolve_model_path
     real = setup.load_model
 

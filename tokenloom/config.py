@@ -45,6 +45,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
     seed: int = 0
+    attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -92,6 +93,63 @@ class SchedulerConfig:
                f"long_prefill_token_threshold must be >= 1 (got {self.long_prefill_token_threshold})")
 
 
+def _torchrun_env(name: str, default, kind=str):
+    """A rendezvous value from torchrun's environment (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES)."""
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else kind(raw)
+
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks share the model, and how they are started (vLLM's flag names)."""
+
+    tensor_parallel_size: int = 1
+    # uni: the worker runs in the EngineCore's process (size 1 only); mp: one process per rank.
+    # None: uni at size 1, mp above.
+    distributed_executor_backend: str | None = None
+    nnodes: int = field(default_factory=lambda: _torchrun_env("NNODES", 1, int))
+    node_rank: int = field(default_factory=lambda: _torchrun_env("NODE_RANK", _torchrun_env("GROUP_RANK", 0, int),
+                                                                 int))
+    master_addr: str = field(default_factory=lambda: _torchrun_env("MASTER_ADDR", "127.0.0.1"))
+    master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))  # None: a free port
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1,
+               f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
+               f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)} "
+               f"(got {self.distributed_executor_backend!r})")
+        _check(not (self.distributed_executor_backend == "uni" and self.world_size > 1),
+               f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size "
+               f"{self.tensor_parallel_size} needs 'mp'")
+        _check(self.nnodes >= 1, f"nnodes must be >= 1 (got {self.nnodes})")
+        _check(0 <= self.node_rank < self.nnodes, f"node_rank must be in 0..{self.nnodes - 1} (got {self.node_rank})")
+        _check(self.world_size % self.nnodes == 0,
+               f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over {self.nnodes} nodes")
+        _check(self.master_port is None or 0 < self.master_port < 65536,
+               f"master_port must be in 1..65535 (got {self.master_port})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node starts."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+
 @dataclass
 class LimitsConfig:
     """Caps on what one request may ask for."""
@@ -113,6 +171,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     log_stats_interval: float = 10.0  # seconds between engine log lines; 0 = off
     # Structured outputs: <think> parser whose end marker starts constraints (tokenloom.structured.reasoning),
@@ -133,7 +192,8 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model, max_num_seqs=8, ...)``)."""
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "limits": LimitsConfig}
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "parallel": ParallelConfig, "limits": LimitsConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         top = {}
         for key, value in kwargs.items():
@@ -149,7 +209,7 @@ class EngineConfig:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineConfig":
         kwargs = {}
-        for part in (ModelConfig, CacheConfig, SchedulerConfig, LimitsConfig):
+        for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig):
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
@@ -200,6 +260,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("max_num_seqs", int, "most requests running at once (default 64)")
     opt("max_num_batched_tokens", int, "token budget of one engine step (default 512)")
     opt("long_prefill_token_threshold", int, "most prompt tokens of one request in one step (default 512)")
+    g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                   default=env_default("tensor_parallel_size", None, int),
+                   help="ranks that share the model (tensor parallel; default 1)")
+    opt("distributed_executor_backend", str, "uni (the worker in the engine process; size 1) | mp (one process "
+        "per rank); default uni at size 1, mp above")
+    opt("nnodes", int, "machines the ranks span (default 1, or torchrun's NNODES)")
+    opt("node_rank", int, "this machine's index among --nnodes; a node other than 0 runs workers only")
+    opt("master_addr", str, "address of node 0, where the ranks meet (default 127.0.0.1, or MASTER_ADDR)")
+    opt("master_port", int, "port on node 0 for the rendezvous (default: a free one on a single node; "
+        "MASTER_PORT if set)")
     opt("max_n", int, "largest n / best_of a request may ask for (default 16)")
     opt("max_logprobs", int, "largest logprobs / top_logprobs a request may ask for (default 20)")
     opt("reasoning_parser", str, "split <think>...</think> into reasoning_content: think | qwen3 | deepseek_r1 "

@@ -36,11 +36,11 @@ def llm(embedded_path):
 
 
 def test_linear_weights_and_kv_cache_are_bfloat16_and_activations_float32(llm):
-    model = llm.engine.setup.loaded.model
+    model = llm.engine.executor.worker.setup.loaded.model
     assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, Linear))
     assert model.model.embed_tokens.weight.dtype == torch.float32
-    assert llm.engine.setup.runner.kv_caches[0].dtype == torch.bfloat16
-    assert llm.engine.setup.dtype == torch.float32
+    assert llm.engine.executor.worker.runner.kv_caches[0].dtype == torch.bfloat16
+    assert llm.engine.executor.worker.setup.dtype == torch.float32
 
 
 def test_greedy_output_agrees_with_transformers_up_to_a_near_tie(llm, hf_embedded):

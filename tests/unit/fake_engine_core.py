@@ -10,6 +10,7 @@ import os
 import time
 
 from tokenloom.engine.messages import EngineCoreOutput
+from tokenloom.executor.worker_info import WorkerInfo
 
 
 class FakeCore:
@@ -51,8 +52,9 @@ class FakeCore:
         return {"num_running": len(self.reqs), "num_waiting": 0, "kv_cache_usage": 0.0,
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
-    def info(self):
-        return {"max_model_len": 128, "num_blocks": 64, "block_size": 16}
+    info = WorkerInfo(model_path="fake", architecture="Fake", vocab_size=1000, max_position_embeddings=128,
+                      eos_token_ids=[2], device="cpu", dtype="float32", kv_cache_dtype="float32", num_blocks=64,
+                      block_size=16, max_model_len=128, tensor_parallel_size=1, summary="fake")
 
 
 def make(config):

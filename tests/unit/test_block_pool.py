@@ -7,6 +7,7 @@ import pytest
 import helpers
 from helpers import greedy_params, make_request, run_to_completion
 from tokenloom.engine.request import Request
+from tokenloom.executor.contract import sequence_key
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler.block_pool import BlockPool, hash_block
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
@@ -211,10 +212,10 @@ def test_n_samples_fork_the_prompt_blocks_instead_of_recomputing_the_prefill(mak
     prompt = helpers.random_prompts(1, [10], 512, seed=21)[0]
     core.add_request(make_request("r", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)))
     core.step()
-    seqs = [core.scheduler.requests[("r", i)] for i in range(3)]
+    seqs = [core.scheduler.requests[sequence_key("r", i)] for i in range(3)]
     shared = seqs[0].block_ids[:2]
     assert all(s.block_ids[:2] == shared for s in seqs)
-    assert refs(core.kv.pool, shared) == [3, 3]
+    assert refs(core.kv_manager.pool, shared) == [3, 3]
     assert len({s.block_ids[2] for s in seqs}) == 3  # the partial block is copied per sequence
     out = run_to_completion(core)
     assert scheduled == [10, 3, 3, 3, 3, 3]  # the prompt is computed once; then one decode per sequence

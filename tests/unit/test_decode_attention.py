@@ -90,16 +90,16 @@ def test_bfloat16_kv_cache_with_an_additive_mask_takes_the_block_diagonal_path_a
 def test_engine_allocates_a_bfloat16_kv_cache_holding_twice_the_blocks(make_core):
     full = make_core(kv_cache_memory=0.01)
     half = make_core(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")
-    assert half.setup.runner.kv_caches[0].dtype == torch.bfloat16
-    assert half.setup.num_blocks == 2 * full.setup.num_blocks
-    assert "KV cache (bfloat16)" in half.setup.summary()
+    assert half.executor.worker.runner.kv_caches[0].dtype == torch.bfloat16
+    assert half.info.num_blocks == 2 * full.info.num_blocks
+    assert "KV cache (bfloat16)" in half.info.summary
 
 
 def test_more_concurrent_decodes_than_one_group_give_each_prompt_its_greedy_output_alone(make_core):
     core = make_core(max_num_seqs=64)
     prompts = helpers.random_prompts(2 * DECODE_GROUP + 7, [1, 5, 9, 17, 30], vocab=512)
     outputs = helpers.generate_tokens(core, prompts, helpers.greedy_params(12))
-    model = core.setup.loaded.model
+    model = core.executor.worker.setup.loaded.model
     for prompt, out in zip(prompts, outputs):
         assert len(out) == 12
         assert helpers.greedy_mismatch(model, prompt, out) is None

@@ -38,7 +38,7 @@ GOOD = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [11, 12, 13, 14, 15, 16, 17, 
 
 def test_bad_request_fails_alone_batch_goes_on(make_core):
     core = make_core()
-    vocab = core.setup.arch.vocab_size
+    vocab = core.info.vocab_size
     ref = make_core()
     for rid, p in GOOD.items():
         ref.add_request(_req(rid, p))
@@ -81,7 +81,7 @@ def test_bad_decode_step_fails_only_that_request(make_core, monkeypatch):
 def test_engine_wide_fault_is_raised(make_core):
     """When every request of the batch fails on its own, it is not the requests' fault: step raises."""
     core = make_core()
-    vocab = core.setup.arch.vocab_size
+    vocab = core.info.vocab_size
     core.add_request(_req("x", [vocab + 1]))
     core.add_request(_req("y", [vocab + 2]))
     with pytest.raises(IndexError):

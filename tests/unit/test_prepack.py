@@ -6,7 +6,7 @@ import torch
 
 import helpers
 from tokenloom.config import CacheConfig, EngineConfig, ModelConfig
-from tokenloom.engine.setup import build_engine
+from tokenloom.executor.setup import build_worker
 from tokenloom.model.layers.linear import Linear, mixed_linear
 from tokenloom.model.loader import load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights
@@ -56,6 +56,6 @@ def test_prepacking_a_model_keeps_its_logits(tiny_models, kind, matmul_dtype):
 def test_the_engine_prepacks_on_cpu(tiny_models):
     folder, _ = tiny_models("llama_tied_gqa")
     config = EngineConfig(model=ModelConfig(model=folder, device="cpu"), cache=CacheConfig(num_blocks=16))
-    model = build_engine(config, progress=False).loaded.model
+    model = build_worker(config, progress=False).loaded.model
     assert all(m.weight.is_mkldnn for m in model.modules() if isinstance(m, Linear))
     assert model.head_weight().is_mkldnn

@@ -22,7 +22,9 @@ class Recorder:
         def schedule():
             out = real()
             if out:
-                self.steps.append([(s.request.request_id, s.request.index, s.num_new_tokens) for s in out.scheduled])
+                seqs = core.scheduler.requests
+                self.steps.append([(seqs[key].request_id, seqs[key].index, n)
+                                   for key, n in out.num_scheduled_tokens.items()])
             return out
 
         core.scheduler.schedule = schedule
@@ -149,7 +151,7 @@ def test_abort_running_request_frees_its_blocks_at_once(make_core):
     core.add_request(make_request("b", b, greedy_params(50)))
     for _ in range(3):
         core.step()
-    held_by_b = len(core.scheduler.requests[("b", 0)].block_ids)
+    held_by_b = len(core.scheduler.requests["b"].block_ids)
     before = _blocks(core)
     core.abort_requests(["a"])
     assert _blocks(core) == held_by_b < before  # before any further step
@@ -264,7 +266,7 @@ def test_preempted_request_with_prompt_logprobs_reports_each_position_once(make_
 
 # ---- accounting ---------------------------------------------------------------------------------
 def _assert_pool_idle(core):
-    pool = core.kv.pool
+    pool = core.kv_manager.pool
     assert core.stats()["kv_blocks_used"] == 0
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert sorted(pool.free) == list(range(pool.num_blocks))
@@ -300,7 +302,7 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
             steps += 1
             if live and rng.random() < 0.15:
                 core.abort_requests([live.pop(rng.randrange(len(live)))])
-            assert core.stats()["kv_blocks_used"] <= core.kv.pool.num_blocks
+            assert core.stats()["kv_blocks_used"] <= core.kv_manager.pool.num_blocks
             assert steps < 2000
         _assert_pool_idle(core)
     if num_blocks < 20:
@@ -329,7 +331,7 @@ def _warm_prefix(sched, kv, request, prefix):
     warm = request("warm", prefix + [9])
     sched.add_request(warm)
     out = sched.schedule()
-    warm.num_computed_tokens += out.scheduled[0].num_new_tokens
+    warm.num_computed_tokens += out.num_scheduled_tokens[warm.key]
     kv.cache_computed_blocks(warm)
     sched.finish(warm, "stop")
 
@@ -340,7 +342,7 @@ def test_a_waiting_request_with_a_cached_prefix_is_admitted_first_among_equal_pr
     _warm_prefix(sched, kv, request, prefix)
     sched.add_request(request("cold", list(range(300, 320)), arrival=1.0))
     sched.add_request(request("hot", prefix + [7, 8, 9], arrival=2.0))
-    assert [s.request.request_id for s in sched.schedule().scheduled] == ["hot"]
+    assert list(sched.schedule().num_scheduled_tokens) == ["hot"]
 
 
 def test_cached_prefix_preference_never_jumps_a_better_priority():
@@ -349,7 +351,7 @@ def test_cached_prefix_preference_never_jumps_a_better_priority():
     _warm_prefix(sched, kv, request, prefix)
     sched.add_request(request("urgent", list(range(300, 320)), priority=-1, arrival=1.0))
     sched.add_request(request("hot", prefix + [7, 8, 9], arrival=2.0))
-    assert [s.request.request_id for s in sched.schedule().scheduled] == ["urgent"]
+    assert list(sched.schedule().num_scheduled_tokens) == ["urgent"]
 
 
 def test_cached_prefix_preference_is_bounded_to_a_window_so_nobody_starves():
@@ -359,4 +361,4 @@ def test_cached_prefix_preference_is_bounded_to_a_window_so_nobody_starves():
     for i in range(3):
         sched.add_request(request(f"cold{i}", list(range(300 + 20 * i, 320 + 20 * i)), arrival=1.0 + i))
     sched.add_request(request("hot", prefix + [7, 8, 9], arrival=9.0))
-    assert [s.request.request_id for s in sched.schedule().scheduled] == ["cold0"]
+    assert list(sched.schedule().num_scheduled_tokens) == ["cold0"]

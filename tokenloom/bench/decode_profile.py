@@ -48,5 +48,5 @@ def profile_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     for _ in llm._run():
         pass
     step = sorted(times)[len(times) // 2]
-    mm = matmul_seconds(engine.runner.model, batch)
+    mm = matmul_seconds(engine.executor.worker.runner.model, batch)
     return {"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "ratio": step / mm}

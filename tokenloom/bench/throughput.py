@@ -21,7 +21,7 @@ def run_throughput(ns) -> int:
     config = EngineConfig.from_args(ns)
     flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler)}
     llm = LLM(**flat)
-    prompts = _random_prompts(ns.num_prompts, ns.input_len, llm.engine.setup.arch.vocab_size, ns.bench_seed)
+    prompts = _random_prompts(ns.num_prompts, ns.input_len, llm.engine.info.vocab_size, ns.bench_seed)
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     from tokenloom.profiler import PROFILER
@@ -53,7 +53,7 @@ def run_throughput(ns) -> int:
     if ns.compare_transformers:
         from tokenloom.bench.hf_baseline import run_transformers
         import torch
-        hf = run_transformers(llm.engine.setup.loaded.path, prompts, ns.output_len, ns.transformers_batch,
+        hf = run_transformers(llm.engine.info.model_path, prompts, ns.output_len, ns.transformers_batch,
                               getattr(torch, ns.transformers_dtype))
         results["transformers"] = hf
         results["speedup_vs_transformers"] = results["output_tokens_per_s"] / hf["output_tokens_per_s"]

@@ -1,18 +1,20 @@
-"""EngineCore: owns the model, the KV cache and the scheduler; one step = schedule, forward, update."""
+"""EngineCore: owns the scheduler, the KV block pool and the executor; one step = schedule, execute, update."""
 from __future__ import annotations
 
 import logging
 import time
 
-
 from tokenloom.config import EngineConfig
 from tokenloom.engine.faults import FaultInjector, recover_failed_step
 from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
-from tokenloom.engine.setup import EngineSetup, build_engine
+from tokenloom.executor.base import Executor, make_executor
+from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.profiler import PROFILER
-from tokenloom.scheduler.scheduler import Scheduler, SchedulerOutput
+from tokenloom.scheduler.kv_cache_manager import KVCacheManager
+from tokenloom.scheduler.scheduler import Scheduler, engine_output
 from tokenloom.structured.engine import StructuredEngine
+from tokenloom.structured.matcher import bitmask_row
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -20,128 +22,98 @@ logger = logging.getLogger("tokenloom.engine")
 class EngineCore:
     """The step loop's state. Frontends call add_request / abort_requests / step; no text in here."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True, setup: EngineSetup | None = None):
+    def __init__(self, config: EngineConfig, progress: bool = True, executor: Executor | None = None):
         self.config = config
-        self.setup = setup or build_engine(config, progress=progress)
-        self.runner = self.setup.runner
-        self.kv = self.setup.kv_manager
-        self.max_model_len = self.setup.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.device = self.setup.device
+        self.executor = executor or make_executor(config, progress=progress)
+        try:
+            self.info = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        logger.info(self.info.summary)
+        self.max_model_len = self.info.max_model_len
+        self.kv_manager = KVCacheManager(self.info.num_blocks, self.info.block_size,
+                                         config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self._finished: list[EngineCoreOutput] = []
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "batched_tokens": 0}
+        self.last_step_tokens = 0  # tokens the latest step computed
+        self.counters = {"prompt_tokens": 0, "steps": 0, "batched_tokens": 0}
         self._last_log = time.time()
         self._log_tokens = 0
         self.faults = FaultInjector.from_env()  # tests only (TOKENLOOM_FAULTS)
-        self.structured = StructuredEngine(str(self.setup.loaded.path), self.setup.arch.vocab_size,
-                                           config.reasoning_parser)
+        self.structured = StructuredEngine(self.info.model_path, self.info.vocab_size, config.reasoning_parser)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
                           priority=req.priority, eos_token_ids=req.eos_token_ids,
-                          bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt,
-                          device=self.device)
-        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+                          bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt)
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
         self.scheduler.add_request(request)
+        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             for r in self.scheduler.abort(rid):
-                self._finished.append(self._output(r, []))
+                self._finished.append(engine_output(r, []))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._finished)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        return self.kv_manager.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise ExecutorFault when a worker is gone (the process loop calls this between steps too)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._finished = self._finished, []
+        self.last_step_tokens = 0
         with PROFILER.section("schedule"):
-            sched = self.scheduler.schedule()
-        if not sched:
+            step = self.scheduler.schedule()
+            self._add_grammar_bitmasks(step)
+        if not step:
             return outputs
         try:
-            sampled = self._execute(sched)
+            result = self.execute(step)
         except Exception as exc:  # noqa: BLE001 - one request's fault must not fail the batch
-            outputs.extend(recover_failed_step(self, sched, exc))
+            outputs.extend(recover_failed_step(self, step, exc))
         else:
             with PROFILER.section("update"):
-                outputs.extend(self._update(sched, sampled))
+                outputs.extend(self.update(step, result))
         PROFILER.steps += 1
         self.counters["steps"] += 1
-        self.counters["batched_tokens"] += sched.num_tokens
-        self._maybe_log(sched.num_tokens)
+        self.counters["batched_tokens"] += step.num_tokens
+        self.last_step_tokens = step.num_tokens
+        self._maybe_log(step.num_tokens)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput):
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         if self.faults is not None:
-            self.faults.before_execute(sched)
-        return self.runner.execute(sched)
+            self.faults.before_execute(step, self.scheduler.requests)
+        return self.executor.execute_model(step)
 
-    def _update(self, sched: SchedulerOutput, sampled) -> list[EngineCoreOutput]:
-        outputs = []
-        now = time.time()
-        for s in sched.scheduled:
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(r)
-            result = sampled.get(id(r))
-            if result is None:
-                continue
-            if result.prompt_logprobs:
-                r.prompt_logprobs.extend(result.prompt_logprobs)
-            if not result.token_ids:
-                continue
-            sequences = [r] + (self.scheduler.fork(r) if r.pending_forks else [])
-            for seq, token, logprobs in zip(sequences, result.token_ids, result.logprobs):
-                outputs.append(self._append(seq, token, logprobs, now))
-        return outputs
+    def update(self, step: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        return self.scheduler.update_from_output(step, result, self.max_model_len)
 
-    def _append(self, r: Request, token: int, logprobs, now: float) -> EngineCoreOutput:
-        first = r.num_output_tokens == 0
-        r.token_ids.append(token)
-        self.counters["generation_tokens"] += 1
-        if first:
-            r.first_token_time = now
-        if logprobs:
-            r.cumulative_logprob += logprobs[0][1]
-        params = r.params
-        grammar_end = r.structured.accept(token) if r.structured is not None else None
-        if token in r.stop_token_ids:
-            reason = token if token in (params.stop_token_ids or ()) else None
-            self.scheduler.finish(r, "stop", reason)
-        elif grammar_end is not None:  # the grammar is complete ("stop") or was broken ("error")
-            self.scheduler.finish(r, grammar_end)
-        elif params.max_tokens is not None and r.num_output_tokens >= params.max_tokens:
-            self.scheduler.finish(r, "length")
-        elif r.num_tokens >= self.max_model_len:
-            self.scheduler.finish(r, "length")
-        out = self._output(r, [token], logprobs)
-        if first and r.prompt_logprobs is not None and r.index == 0:
-            out.prompt_logprobs = r.prompt_logprobs
-        return out
-
-    def _output(self, r: Request, tokens: list[int], logprobs=None) -> EngineCoreOutput:
-        out = EngineCoreOutput(request_id=r.request_id, index=r.index, new_token_ids=tokens,
-                               new_logprobs=[logprobs] if logprobs else None,
-                               num_cached_tokens=max(r.num_cached_tokens, 0))
-        if r.is_finished:
-            out.finish_reason = r.finish_reason
-            out.stop_reason = r.stop_reason
-            out.arrival_time = r.arrival_time
-            out.first_scheduled_time = r.first_scheduled_time
-            out.first_token_time = r.first_token_time
-            out.finished_time = time.time()
-        return out
+    def _add_grammar_bitmasks(self, step: SchedulerOutput) -> None:
+        """The allowed next tokens of every constrained sequence that samples this step."""
+        for key, n in step.num_scheduled_tokens.items():
+            r = self.scheduler.requests[key]
+            if r.structured is not None and r.num_computed_tokens + n == r.num_tokens:
+                row = bitmask_row(r.structured, self.info.vocab_size)
+                if row is not None:
+                    step.grammar_bitmask[key] = row
 
     # ---- observability ----------------------------------------------------------
     def stats(self) -> dict:
-        kv = self.kv
+        kv = self.kv_manager
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -151,6 +123,7 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "generation_tokens": self.scheduler.num_generation_tokens,
             **self.counters,
         }
 

@@ -63,47 +63,14 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
-def engine_info(core: Any, config: Any) -> dict[str, Any]:
+def engine_info(core: Any) -> dict[str, Any]:
     """What the frontend learns about the built engine (resolved max_model_len, KV blocks...)."""
-    info: dict[str, Any] = {}
-    if hasattr(core, "info"):
-        try:
-            info.update(core.info())
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-    setup = getattr(core, "setup", None)
-    if setup is not None:
-        for key in ("num_blocks", "block_size", "max_model_len", "full_length_requests"):
-            try:
-                info.setdefault(key, getattr(setup, key))
-            except Exception:  # noqa: BLE001
-                pass
-        info.setdefault("device", str(getattr(setup, "device", "")))
-        info.setdefault("dtype", str(getattr(setup, "dtype", "")).replace("torch.", ""))
-        runner = getattr(setup, "runner", None)
-        if runner is not None:
-            info.setdefault("kv_cache_dtype", str(runner.kv_caches[0].dtype).replace("torch.", ""))
-        arch = getattr(setup, "arch", None)
-        if arch is not None:
-            for key in ("vocab_size", "max_position_embeddings", "eos_token_ids"):
-                if getattr(arch, key, None) is not None:
-                    info.setdefault(key, getattr(arch, key))
-        loaded = getattr(setup, "loaded", None)
-        if loaded is not None and getattr(loaded, "path", None):
-            info.setdefault("model_path", str(loaded.path))
-    model_cfg = getattr(config, "model", None)
-    cache_cfg = getattr(config, "cache", None)
-    info.setdefault("max_model_len", getattr(model_cfg, "max_model_len", None))
-    info.setdefault("block_size", getattr(cache_cfg, "block_size", None))
-    info.setdefault("num_blocks", getattr(cache_cfg, "num_blocks", None))
-    try:
-        stats = core.stats()
-        for key in ("num_blocks", "num_gpu_blocks", "num_kv_blocks", "num_total_blocks"):
-            if info.get("num_blocks") is None and stats.get(key) is not None:
-                info["num_blocks"] = stats[key]
-    except Exception:  # noqa: BLE001
-        pass
-    return _jsonable(info)
+    info = core.info
+    return {"num_blocks": info.num_blocks, "block_size": info.block_size, "max_model_len": info.max_model_len,
+            "full_length_requests": info.full_length_requests, "device": info.device, "dtype": info.dtype,
+            "kv_cache_dtype": info.kv_cache_dtype, "vocab_size": info.vocab_size,
+            "max_position_embeddings": info.max_position_embeddings, "eos_token_ids": info.eos_token_ids,
+            "model_path": info.model_path, "tensor_parallel_size": info.tensor_parallel_size}
 
 
 class EngineCoreProc:
@@ -130,7 +97,6 @@ class EngineCoreProc:
         self._closed = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat_thread, name="engine-heartbeat", daemon=True)
         self._hb_thread.start()
-        self._batched_tokens = 0
 
     # -------------------------------------------------------------- sending
 
@@ -217,6 +183,8 @@ class EngineCoreProc:
             if not self.parent_alive():
                 logger.warning("parent process %d is gone; engine exiting", self.parent_pid)
                 return
+            if hasattr(self.core, "check_health"):
+                self.core.check_health()  # a worker that died while idle fails the engine now
             busy = self.core.has_unfinished_requests()
             self._drain_input(0 if busy else int(self.heartbeat_interval * 1000))
             if self._stop:
@@ -228,9 +196,7 @@ class EngineCoreProc:
                 finally:
                     self._step_started = 0.0
                 stats = self._stats()
-                # The engine counts tokens computed in total; one step's share is the difference.
-                total = int(stats.get("batched_tokens", 0) or 0)
-                step_tokens, self._batched_tokens = max(0, total - self._batched_tokens), total
+                step_tokens = getattr(self.core, "last_step_tokens", 0)
                 if outputs or step_tokens:
                     self.send(ipc.StepOutputs(outputs=list(outputs), timestamp=time.time(), stats=stats,
                                               num_step_tokens=step_tokens))
@@ -303,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     proc = EngineCoreProc(core, args.input, args.output, args.parent_pid,
                           heartbeat_interval=args.heartbeat_interval, ctx=ctx)
-    proc.send(ipc.Ready(pid=os.getpid(), info=engine_info(core, config)))
+    proc.send(ipc.Ready(pid=os.getpid(), info=engine_info(core)))
     code = 0
     try:
         proc.run()
@@ -318,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         code = 1
     finally:
+        if hasattr(core, "shutdown"):
+            core.shutdown()
         proc.close()
     return code
 

@@ -9,11 +9,12 @@ kept as if the step had succeeded. Cost: about 2*log2(batch) extra forwards per 
 paid only when a step fails. When every request of a batch holding two or more
 requests fails on its own, the fault is not the requests' but the engine's (device
 lost, out of memory...): the original exception is re-raised and the engine process
-reports itself failed (the server then restarts it or exits).
+reports itself failed (the server then restarts it or exits). So does a lost worker
+(`ExecutorFault`), without any re-run.
 
 Re-running a sub-batch is safe because a step only writes the KV slots of its own new
 tokens (rewritten with the same values) and the scheduler state is only advanced by
-`EngineCore._update` after a successful run. Seeded requests in a failed batch may
+`Scheduler.update_from_output` after a successful run. Seeded requests in a failed batch may
 draw from their generator twice when the fault came after sampling; they stay valid
 samples but not the exact seeded sequence.
 
@@ -28,11 +29,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenloom.engine.messages import EngineCoreOutput
+from tokenloom.engine.request import Request
+from tokenloom.executor.base import ExecutorFault
+from tokenloom.executor.contract import SchedulerOutput
+from tokenloom.scheduler.scheduler import engine_output
+
+if TYPE_CHECKING:
+    from tokenloom.engine.core import EngineCore
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -63,78 +69,71 @@ class FaultInjector:
         logger.warning("fault injection is on: %s", spec)
         return cls(**kwargs)
 
-    def before_execute(self, sched: Any) -> None:
-        for s in sched.scheduled:
-            ids = s.request.prompt_token_ids
-            first = ids[0] if ids else None
+    def before_execute(self, step: SchedulerOutput, requests: dict[str, Request]) -> None:
+        for key in step.num_scheduled_tokens:
+            r = requests[key]
+            first = r.prompt_token_ids[0] if r.prompt_token_ids else None
             if first is None:
                 continue
             if first == self.step_error:
-                raise InjectedFault(f"injected fault for request {s.request.request_id}")
+                raise InjectedFault(f"injected fault for request {r.request_id}")
             if first == self.step_hang:
-                logger.warning("injected hang for request %s", s.request.request_id)
+                logger.warning("injected hang for request %s", r.request_id)
                 while True:
                     time.sleep(3600)
 
 
-def _apply_block_copies(core: Any, copies: list[tuple[int, int]]) -> None:
-    caches = getattr(core.runner, "kv_caches", None) or []
-    with torch.inference_mode():
-        for src, dst in copies:
-            for cache in caches:
-                cache[:, dst].copy_(cache[:, src])
-
-
-def recover_failed_step(core: Any, sched: Any, exc: BaseException) -> list[EngineCoreOutput]:
+def recover_failed_step(core: EngineCore, step: SchedulerOutput, exc: BaseException) -> list[EngineCoreOutput]:
     """Find the request(s) whose processing raises, fail them, finish the others' step."""
-    from tokenloom.scheduler.scheduler import SchedulerOutput
-
-    scheduled = list(sched.scheduled)
-    logger.error("engine step with %d request(s) failed (%s: %s); isolating the culprit",
-                 len(scheduled), type(exc).__name__, exc)
-    # Fork copies run once, before any sub-batch (re-running them later could overwrite a
-    # child's freshly written KV slot).
-    _apply_block_copies(core, sched.block_copies)
+    if isinstance(exc, ExecutorFault):
+        raise exc  # a lost worker is the engine's failure, not a request's
+    keys = list(step.num_scheduled_tokens)
+    requests = core.scheduler.requests
+    logger.error("engine step with %d sequence(s) failed (%s: %s); isolating the culprit",
+                 len(keys), type(exc).__name__, exc)
     outputs: list[EngineCoreOutput] = []
-    culprits: list[tuple[Any, BaseException]] = []
+    culprits: list[tuple[str, BaseException]] = []
 
-    def run(batch: list) -> None:
-        sub = SchedulerOutput(scheduled=batch, block_copies=[])
+    def run(batch: list[str]) -> None:
+        sub = step.subset(batch)
         try:
-            sampled = core._execute(sub)
+            result = core.execute(sub)
+        except ExecutorFault:
+            raise
         except Exception as e:  # noqa: BLE001 - that is what we are looking for
             if len(batch) == 1:
-                culprits.append((batch[0].request, e))
+                culprits.append((batch[0], e))
             else:
                 split(batch)
             return
-        outputs.extend(core._update(sub, sampled))
+        outputs.extend(core.update(sub, result))
 
-    def split(batch: list) -> None:
+    def split(batch: list[str]) -> None:
         mid = len(batch) // 2
         run(batch[:mid])
         run(batch[mid:])
 
-    if len(scheduled) == 1:
-        culprits.append((scheduled[0].request, exc))
+    if len(keys) == 1:
+        culprits.append((keys[0], exc))
     else:
-        split(scheduled)
+        split(keys)
 
-    request_ids = {s.request.request_id for s in scheduled}
-    failed_ids = {r.request_id for r, _ in culprits}
-    if len(request_ids) > 1 and failed_ids == request_ids:
+    request_ids = {requests[k].request_id for k in keys}
+    failed = {k: requests[k] for k, _ in culprits}
+    if len(request_ids) > 1 and {r.request_id for r in failed.values()} == request_ids:
         logger.error("every request of the batch fails on its own: an engine fault, not a request's")
         raise exc
     handled: set[str] = set()
-    for r, e in culprits:
+    for key, e in culprits:
+        r = failed[key]
         if r.request_id in handled:
             continue
         handled.add(r.request_id)
         logger.error("request %s failed in the engine and is ended alone: %s: %s", r.request_id,
                      type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
-        for seq in [q for q in list(core.scheduler.requests.values()) if q.request_id == r.request_id]:
+        for seq in [q for q in list(requests.values()) if q.request_id == r.request_id]:
             core.scheduler.finish(seq, "error")
-        out = core._output(r, [])
+        out = engine_output(r, [])
         out.finish_reason = "error"
         out.error = f"{type(e).__name__}: {e}"
         outputs.append(out)

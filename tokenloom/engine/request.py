@@ -6,8 +6,7 @@ import itertools
 import time
 from typing import Any
 
-import torch
-
+from tokenloom.executor.contract import sequence_key
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -22,14 +21,17 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One sequence. A request with n>1 runs as one sequence until its prompt is computed, then forks."""
+    """One sequence. A request with n>1 runs as one sequence until its prompt is computed, then forks.
+
+    The scheduler owns it. The workers keep their own copy of what they need (`RequestState`); the
+    `sent_*` fields record what they have been told, so each step sends them only what changed."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  arrival_time: float | None = None, priority: int = 0, eos_token_ids: list[int] = (),
-                 bad_words_token_ids: list[list[int]] = (), cache_salt: str | None = None, index: int = 0,
-                 device: torch.device | str = "cpu"):
+                 bad_words_token_ids: list[list[int]] = (), cache_salt: str | None = None, index: int = 0):
         self.request_id = request_id
         self.index = index
+        self.key = sequence_key(request_id, index)
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
@@ -46,7 +48,10 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
-        self.cumulative_logprob = 0.0
+        self.sent_to_workers = False
+        self.sent_tokens = 0  # token_ids[:sent_tokens] are known to the workers
+        self.sent_blocks = 0  # block_ids[:sent_blocks] likewise
+        self.resend_blocks = False  # the block table changed wholesale (preempted, forked): send it all
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
@@ -54,17 +59,7 @@ class Request:
         self.stop_reason: int | str | None = None
         width = max(params.n, params.best_of or params.n)
         self.pending_forks = width - 1 if index == 0 else 0
-        self.device = device
-        self.generators = [self._generator(i) for i in range(width)] if index == 0 else []
-        self.generator = self.generators[0] if self.generators else None
         self.structured: Any = None  # tokenloom.structured StructuredState, set by the EngineCore
-
-    def _generator(self, child: int) -> torch.Generator | None:
-        if self.params.seed is None:
-            return None
-        g = torch.Generator(device=self.device)
-        g.manual_seed((self.params.seed + 1_000_003 * child) % (2 ** 63))
-        return g
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,21 +81,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    @property
-    def needs_logprob(self) -> bool:
-        return self.params.logprobs is not None or (self.params.best_of or 0) > self.params.n
-
     def fork(self, index: int) -> "Request":
         """A child sequence sharing everything computed so far (blocks are shared by the caller)."""
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.index = index
+        child.key = sequence_key(self.request_id, index)
+        child.resend_blocks = True  # its last block is a copy of the parent's
         child.token_ids = list(self.token_ids)
         child.block_ids = list(self.block_ids)
         child.block_hashes = list(self.block_hashes)
         child.pending_forks = 0
-        child.generators = []
-        child.generator = self.generators[index] if self.generators else None
         child.prompt_logprobs = None
         child.structured = self.structured.fork() if self.structured is not None else None
         return child

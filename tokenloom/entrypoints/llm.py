@@ -27,12 +27,22 @@ class LLM:
             engine_args["model"] = model
         self.config = EngineConfig.from_kwargs(**engine_args)
         self.engine = EngineCore(self.config, progress=progress)
-        setup = self.engine.setup
-        self.tokenizer = Tokenizer.from_model_path(setup.loaded.path)
-        self.input_processor = InputProcessor(self.tokenizer, self.config, setup.max_model_len,
-                                              setup.arch.vocab_size, setup.arch.eos_token_ids)
+        info = self.engine.info
+        self.tokenizer = Tokenizer.from_model_path(info.model_path)
+        self.input_processor = InputProcessor(self.tokenizer, self.config, info.max_model_len, info.vocab_size,
+                                              info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the workers (with tensor_parallel_size > 1 they are processes of their own)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def max_model_len(self) -> int:

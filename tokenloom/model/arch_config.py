@@ -38,6 +38,19 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
+        from tokenloom.config import ConfigError
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"its {self.num_heads} attention heads")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"its {self.num_kv_heads} KV heads (nor is it a multiple of them)")
+        if self.intermediate_size % size:
+            problems.append(f"its MLP width {self.intermediate_size}")
+        if problems:
+            raise ConfigError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ArchConfig":
         archs = cfg.get("architectures") or []

@@ -18,7 +18,7 @@ def cast_matmul_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Store every Linear weight (and a tied output head) in ``dtype``; returns the bytes the weights now take."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.weight = torch.nn.Parameter(module.weight.data.to(dtype), requires_grad=False)
+            module.method.cast(module, dtype)
     if has_tied_head(model):  # the lookup keeps full precision
         model.tied_head_weight = model.model.embed_tokens.weight.data.to(dtype)
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -37,9 +37,8 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """Pack every Linear weight and the output head in place; returns how many were packed."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and not module.weight.is_mkldnn:
-            module.weight = torch.nn.Parameter(pack_weight(module.weight.data), requires_grad=False)
-            packed += module.weight.is_mkldnn
+        if isinstance(module, Linear):
+            packed += module.method.pack(module)
     if has_tied_head(model) and not model.head_weight().is_mkldnn:
         model.tied_head_weight = pack_weight(model.head_weight())
         packed += model.tied_head_weight.is_mkldnn

@@ -1,103 +1,97 @@
-"""ModelRunner: scheduled requests -> flat input tensors -> one forward -> sampled tokens."""
+"""ModelRunner: one step of the contract -> flat input tensors -> one forward -> sampled tokens.
+
+It keeps each sequence's device-side state between steps (`RequestState`), so the scheduler
+sends deltas only. Every tensor-parallel rank runs the same forward; the logits are gathered
+to rank 0, which alone samples and answers.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
-from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk, decode_group_size
-from tokenloom.profiler import PROFILER
+from tokenloom.distributed.parallel_state import tp_group
+from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
+from tokenloom.executor.request_state import RequestState
+from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from tokenloom.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from tokenloom.structured.matcher import apply_structured_bitmask
-
-# One sampled token's logprobs: [[token_id, logprob, rank], ...], the chosen token first.
-TokenLogprobs = list[list[float]]
-
-
-@dataclass
-class SampledTokens:
-    token_ids: list[int]  # one per sequence (several when a request forks into n)
-    logprobs: list[TokenLogprobs | None]
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for this chunk's prompt positions
+from tokenloom.profiler import PROFILER
+from tokenloom.structured.matcher import apply_token_bitmask
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device):
+                 device: torch.device, attention: AttentionBackend):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.attention = attention
         self.sampler = Sampler()
-        self._workspace = torch.empty(0, device=device, dtype=kv_caches[0].dtype)
+        self.requests: dict[str, RequestState] = {}
+        self.last_step_id = -1
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[int, SampledTokens]:
-        """Returns, keyed by id(request), what each request that completed its known tokens sampled."""
-        for src, dst in sched.block_copies:
+    # ---- state --------------------------------------------------------------
+    def update_states(self, step: SchedulerOutput) -> None:
+        """Apply the step's deltas and block copies, once per step id."""
+        if step.step_id == self.last_step_id:
+            return
+        self.last_step_id = step.step_id
+        for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
+        for key in step.finished_keys:
+            self.requests.pop(key, None)
+        for new in step.new_requests:
+            self.requests[new.key] = RequestState.from_new(new, self.device)
+        for delta in step.cached_requests:
+            self.requests[delta.key].apply(delta)
+
+    # ---- one step -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's samples on the first tensor-parallel rank; None on the others."""
+        if not step.num_scheduled_tokens:
+            return ModelRunnerOutput() if tp_group().is_first else None
+        scheduled = [(self.requests[k], n) for k, n in step.num_scheduled_tokens.items()]
         # Decodes first, shortest context first, so each attention group pads only to its own longest.
-        order = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens > 1, s.request.num_computed_tokens))
+        scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            input_ids, positions, meta, logit_rows = self._prepare(order)
+            input_ids, positions, meta, logit_rows = self._prepare(scheduled)
         with PROFILER.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if not logit_rows:
-                return {}
+                return ModelRunnerOutput() if tp_group().is_first else None
             with PROFILER.section("matmul"):
                 logits = self.model.compute_logits(self._rows(hidden, [row for _, row, _ in logit_rows]))
+        if logits is None:  # not the first rank: it only contributed its share of the vocabulary
+            return None
         with PROFILER.section("sampling"):
-            return self._sample(logit_rows, logits)
+            return self._sample(logit_rows, logits, step.grammar_bitmask)
 
-    def _prepare(self, order: list[ScheduledRequest]):
+    def _prepare(self, scheduled: list[tuple[RequestState, int]]):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        prefills: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        logit_rows: list[tuple[ScheduledRequest, int, bool]] = []  # (request, flat row, samples?)
-        for s in order:
-            r, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_new_tokens
+        spans: list[ScheduledSpan] = []
+        logit_rows: list[tuple[RequestState, int, bool]] = []  # (sequence, flat row, samples?)
+        for r, n in scheduled:
+            start = r.num_computed_tokens
+            end = start + n
             first = len(ids)
             ids.extend(r.token_ids[start:end])
             pos.extend(range(start, end))
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.num_new_tokens == 1:
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillChunk(first, len(ids), end, torch.tensor(table, device=self.device)))
-            if r.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
+            spans.append(ScheduledSpan(first, start, n, table))
+            if r.params.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
                 upto = min(end, r.num_prompt_tokens - 1)
-                logit_rows.extend((s, first + p - start, False) for p in range(start, upto))
-            if s.completes_prompt:
-                logit_rows.append((s, len(ids) - 1, True))
+                logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
+            if end == len(r.token_ids):  # every known token's KV is computed: sample the next one
+                logit_rows.append((r, len(ids) - 1, True))
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
-            decode_mask=None, prefills=prefills)
-        if decode_tables:
-            width = max((n + bs - 1) // bs for n in decode_lens)
-            table = torch.tensor([t[:width] + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
-                                 device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            meta.decode_block_tables = table
-            group = decode_group_size(len(decode_tables), dev)
-            meta.decode_workspace = self._decode_workspace(group * width)
-            meta.decode_context_lens = lens
-            meta.decode_group_blocks = [(max(decode_lens[i:i + group]) + bs - 1) // bs
-                                        for i in range(0, len(decode_lens), group)]
-            padding = torch.arange(width * bs, device=dev).unsqueeze(0) >= lens.unsqueeze(1)
-            # Additive, in the dtype SDPA computes in: a boolean mask is converted on every call (~10%).
-            meta.decode_mask = torch.zeros(padding.shape, dtype=self.kv_caches[0].dtype, device=dev).masked_fill_(
-                padding, float("-inf")).view(len(decode_tables), 1, 1, width * bs)
+        meta = self.attention.build_metadata(spans, torch.tensor(slots, dtype=torch.long, device=dev))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, logit_rows)
 
@@ -107,55 +101,45 @@ class ModelRunner:
             return t
         return t[torch.tensor(rows, device=self.device)]
 
-    def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
-        cache = self.kv_caches[0]
-        block_elems = cache[0, 0].numel()
-        if self._workspace.numel() < 2 * num_blocks * block_elems:
-            self._workspace = torch.empty(2 * num_blocks * block_elems, dtype=cache.dtype, device=self.device)
-        return self._workspace[: 2 * num_blocks * block_elems].view(2, num_blocks, block_elems)
-
-    def _sample(self, logit_rows, logits: torch.Tensor) -> dict[int, SampledTokens]:
-        results: dict[int, SampledTokens] = {}
-        prompt_rows: dict[int, tuple[ScheduledRequest, list[int]]] = {}
+    def _sample(self, logit_rows, logits: torch.Tensor, bitmasks: dict[str, bytes]) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        prompt_rows: dict[str, tuple[RequestState, list[int]]] = {}
         sample_idx: list[int] = []
         rows: list[SamplingRow] = []
-        owners: list[ScheduledRequest] = []
-        for i, (s, _, samples) in enumerate(logit_rows):
-            r = s.request
+        owners: list[RequestState] = []
+        for i, (r, _, samples) in enumerate(logit_rows):
             if not samples:
-                prompt_rows.setdefault(id(r), (s, []))[1].append(i)
+                prompt_rows.setdefault(r.key, (r, []))[1].append(i)
                 continue
-            params = _with_logprobs(r.params) if r.needs_logprob and r.params.logprobs is None else r.params
-            for g in (r.generators if r.pending_forks else [r.generator]):
+            params = replace(r.params, logprobs=0) if r.needs_logprob and r.params.logprobs is None else r.params
+            for g in r.generators:
                 sample_idx.append(i)
                 rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids, g,
                                         r.bad_words_token_ids, r.eos_token_ids))
-                owners.append(s)
-        for s, idx in prompt_rows.values():
-            r = s.request
+                owners.append(r)
+        for r, idx in prompt_rows.values():
             start = r.num_computed_tokens
             targets = torch.tensor(r.token_ids[start + 1:start + 1 + len(idx)], device=self.device)
             k = r.params.prompt_logprobs
-            packed = compute_prompt_logprobs(logits[idx], targets, k)
-            results.setdefault(id(r), SampledTokens([], [])).prompt_logprobs = _pack(*packed, k)
-        if rows:
-            sample_logits = self._rows(logits, sample_idx)
-            apply_structured_bitmask(sample_logits, [s.request.structured for s in owners])  # no-op if unconstrained
-            out = self.sampler(sample_logits, rows)
-            packed = None
-            if out.logprobs is not None:
-                packed = _pack(out.logprob_token_ids, out.logprobs, out.ranks, out.logprobs.shape[1] - 1)
-            for j, (s, token) in enumerate(zip(owners, out.token_ids.tolist())):
-                entry = results.setdefault(id(s.request), SampledTokens([], []))
-                entry.token_ids.append(token)
-                k = rows[j].params.logprobs
-                entry.logprobs.append(packed[j][:1 + k] if packed is not None and k is not None else None)
-        return results
-
-
-def _with_logprobs(params):
-    from dataclasses import replace
-    return replace(params, logprobs=0)
+            out.prompt_logprobs[r.key] = _pack(*compute_prompt_logprobs(logits[idx], targets, k), k)
+        if not rows:
+            return out
+        sample_logits = self._rows(logits, sample_idx)
+        if bitmasks:
+            apply_token_bitmask(sample_logits, [bitmasks.get(r.key) for r in owners])
+        sampled = self.sampler(sample_logits, rows)
+        packed = None
+        if sampled.logprobs is not None:
+            packed = _pack(sampled.logprob_token_ids, sampled.logprobs, sampled.ranks, sampled.logprobs.shape[1] - 1)
+        for j, (r, token) in enumerate(zip(owners, sampled.token_ids.tolist())):
+            k = rows[j].params.logprobs
+            logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
+            out.sampled.setdefault(r.key, []).append(SampledSequence([token], logprobs))
+        for r in {id(r): r for r in owners}.values():
+            if r.forks:
+                for child in r.fork():
+                    self.requests[child.key] = child
+        return out
 
 
 def _pack(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k: int) -> list[TokenLogprobs]:

@@ -1,38 +1,20 @@
-"""Continuous batching with one token budget per step, chunked prefill, and preemption by recompute."""
+"""Continuous batching with one token budget per step, chunked prefill, and preemption by recompute.
+
+The scheduler owns every request's state: it decides what each step computes (`schedule`, which
+returns the step contract with only what the workers do not know yet) and it alone applies what
+the step produced (`update_from_output`: append tokens, stop checks, freeing, prefix-cache
+registration).
+"""
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
 from tokenloom.config import SchedulerConfig
+from tokenloom.engine.messages import EngineCoreOutput
 from tokenloom.engine.request import Request, RequestStatus
+from tokenloom.executor.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step the request knows all its tokens' KV, so it samples the next one."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) to copy before the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
 
 
 class Scheduler:
@@ -46,14 +28,19 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
-        self.requests: dict[tuple[str, int], Request] = {}
+        self.requests: dict[str, Request] = {}  # by sequence key
         self.pending_copies: list[tuple[int, int]] = []
+        self.finished_keys: list[str] = []  # sequences the workers still hold state for
+        self.num_generation_tokens = 0
+        self.num_steps = 0
         self.num_preemptions = 0
         self.prefix_reorder_window = prefix_reorder_window
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.requests[(request.request_id, request.index)] = request
+        if request.key in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.key] = request
         self._enqueue(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -62,7 +49,7 @@ class Scheduler:
         self.waiting.insert(pos, request)
 
     def abort(self, request_id: str) -> list[Request]:
-        aborted = [r for (rid, _), r in list(self.requests.items()) if rid == request_id]
+        aborted = [r for r in list(self.requests.values()) if r.request_id == request_id]
         for r in aborted:
             self.finish(r, "abort")
         return aborted
@@ -76,15 +63,15 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
-        self.requests.pop((request.request_id, request.index), None)
+        if self.requests.pop(request.key, None) is not None and request.sent_to_workers:
+            self.finished_keys.append(request.key)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(block_copies=self.pending_copies)
-        self.pending_copies = []
+        scheduled: list[tuple[Request, int]] = []
         budget = self.config.max_num_batched_tokens
 
         preempted = False
@@ -97,15 +84,15 @@ class Scheduler:
                 victim_index = self.running.index(victim)
                 if victim_index < i:
                     i -= 1
-                    done = next(s for s in out.scheduled if s.request is victim)
-                    out.scheduled.remove(done)
-                    budget += done.num_new_tokens
+                    done = next(item for item in scheduled if item[0] is victim)
+                    scheduled.remove(done)
+                    budget += done[1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
+                scheduled.append((req, n))
                 budget -= n
                 i += 1
 
@@ -126,8 +113,32 @@ class Scheduler:
             if not req.first_scheduled_time:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            scheduled.append((req, n))
             budget -= n
+        return self._step_contract(scheduled)
+
+    def _step_contract(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        """The step as the workers need it: new sequences whole, known ones as deltas."""
+        self.num_steps += 1
+        out = SchedulerOutput(step_id=self.num_steps, block_copies=self.pending_copies,
+                              finished_keys=self.finished_keys)
+        self.pending_copies, self.finished_keys = [], []
+        for req, n in scheduled:
+            out.num_scheduled_tokens[req.key] = n
+            if not req.sent_to_workers:
+                out.new_requests.append(NewRequestData(
+                    key=req.key, request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.params, block_ids=list(req.block_ids),
+                    num_computed_tokens=req.num_computed_tokens, eos_token_ids=req.eos_token_ids,
+                    bad_words_token_ids=req.bad_words_token_ids))
+                req.sent_to_workers = True
+            else:
+                first_block = 0 if req.resend_blocks else req.sent_blocks
+                out.cached_requests.append(CachedRequestData(
+                    key=req.key, new_token_ids=req.token_ids[req.sent_tokens:],
+                    new_block_ids=req.block_ids[first_block:], num_computed_tokens=req.num_computed_tokens,
+                    replace_block_ids=req.resend_blocks))
+            req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
         return out
 
     def _chunk(self, req: Request, remaining: int, budget: int) -> int:
@@ -153,6 +164,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        req.resend_blocks = True
         req.num_computed_tokens = 0
         if req.prompt_logprobs is not None and req.num_output_tokens == 0:
             req.prompt_logprobs = [None]  # the recompute reports the prompt's positions again
@@ -170,7 +182,7 @@ class Scheduler:
             child = parent.fork(index)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
-            self.requests[(child.request_id, child.index)] = child
+            self.requests[child.key] = child
             children.append(child)
             if needs_copy and self.kv.pool.num_free == 0:
                 # No block to copy the partial last block into: recompute this sequence later.
@@ -182,3 +194,66 @@ class Scheduler:
                 self.pending_copies.append(copy)
         parent.pending_forks = 0
         return children
+
+    def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput,
+                           max_model_len: int) -> list[EngineCoreOutput]:
+        """Advance every scheduled sequence by what it computed and sampled; stop checks; outputs."""
+        outputs = []
+        now = time.time()
+        for key, n in step.num_scheduled_tokens.items():
+            r = self.requests.get(key)
+            if r is None:
+                continue
+            r.num_computed_tokens += n
+            self.kv.cache_computed_blocks(r)
+            prompt_logprobs = result.prompt_logprobs.get(key)
+            if prompt_logprobs and r.prompt_logprobs is not None:
+                r.prompt_logprobs.extend(prompt_logprobs)
+            sampled = result.sampled.get(key)
+            if not sampled:
+                continue
+            sequences = [r] + (self.fork(r) if r.pending_forks else [])
+            for seq, sample in zip(sequences, sampled):
+                for i, token in enumerate(sample.token_ids):
+                    logprobs = sample.logprobs[i] if sample.logprobs else None
+                    outputs.append(self._append(seq, token, logprobs, now, max_model_len))
+                    if seq.is_finished:
+                        break
+        return outputs
+
+    def _append(self, r: Request, token: int, logprobs, now: float, max_model_len: int) -> EngineCoreOutput:
+        first = r.num_output_tokens == 0
+        r.token_ids.append(token)
+        self.num_generation_tokens += 1
+        if first:
+            r.first_token_time = now
+        params = r.params
+        grammar_end = r.structured.accept(token) if r.structured is not None else None
+        if token in r.stop_token_ids:
+            reason = token if token in (params.stop_token_ids or ()) else None
+            self.finish(r, "stop", reason)
+        elif grammar_end is not None:  # the grammar is complete ("stop") or was broken ("error")
+            self.finish(r, grammar_end)
+        elif params.max_tokens is not None and r.num_output_tokens >= params.max_tokens:
+            self.finish(r, "length")
+        elif r.num_tokens >= max_model_len:
+            self.finish(r, "length")
+        out = engine_output(r, [token], logprobs)
+        if first and r.prompt_logprobs is not None and r.index == 0:
+            out.prompt_logprobs = r.prompt_logprobs
+        return out
+
+
+def engine_output(r: Request, tokens: list[int], logprobs=None) -> EngineCoreOutput:
+    """What the frontend hears about one sequence after a step (its timestamps once it has finished)."""
+    out = EngineCoreOutput(request_id=r.request_id, index=r.index, new_token_ids=tokens,
+                           new_logprobs=[logprobs] if logprobs else None,
+                           num_cached_tokens=max(r.num_cached_tokens, 0))
+    if r.is_finished:
+        out.finish_reason = r.finish_reason
+        out.stop_reason = r.stop_reason
+        out.arrival_time = r.arrival_time
+        out.first_scheduled_time = r.first_scheduled_time
+        out.first_token_time = r.first_token_time
+        out.finished_time = time.time()
+    return out

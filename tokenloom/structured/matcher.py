@@ -3,8 +3,9 @@
 `StructuredState` wraps an xgrammar `GrammarMatcher` (made from a compiled grammar that may
 still be compiling: it is only waited for when the sequence first samples) and an optional
 `ThinkingTracker` (constraints start after the reasoning ends; a spent thinking budget forces
-the end marker). `apply_structured_bitmask` fills one int32 bitmask for the batch's
-constrained rows and masks their logits; a batch without constrained rows costs nothing.
+the end marker). The EngineCore turns a state into a bitmask row (`bitmask_row`) for each
+sequence that samples; the worker that samples masks the logits with them
+(`apply_token_bitmask`). A batch without constrained rows costs nothing.
 """
 from __future__ import annotations
 
@@ -113,34 +114,28 @@ def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
         bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
-_BITMASKS: dict[tuple[int, int], torch.Tensor] = {}
+def bitmask_row(state: StructuredState, vocab_size: int) -> bytes | None:
+    """The sequence's allowed next tokens as an int32 bitmask (bytes, to cross the step contract), or None
+    when nothing constrains it. The EngineCore computes it; the rank that samples applies it."""
+    row = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    return row.numpy().tobytes() if state.fill(row, 0) else None
 
 
-def _bitmask(batch: int, vocab: int) -> torch.Tensor:
-    """A reusable CPU int32 bitmask with at least `batch` rows."""
-    rows = max(8, 1 << (batch - 1).bit_length())
-    key = (rows, vocab)
-    mask = _BITMASKS.get(key)
-    if mask is None:
-        mask = _BITMASKS[key] = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
-    return mask
-
-
-def apply_structured_bitmask(logits: torch.Tensor, states: list[StructuredState | None]) -> None:
-    """Mask, in place, the logits [B, V] of rows whose state constrains the next token."""
-    if not any(s is not None for s in states):
+def apply_token_bitmask(logits: torch.Tensor, rows: list[bytes | None]) -> None:
+    """Mask, in place, the logits [B, V] of the rows that have a bitmask."""
+    constrained = [i for i, row in enumerate(rows) if row is not None]
+    if not constrained:
         return
     B, V = logits.shape
-    bitmask = _bitmask(B, V)
-    rows = [i for i, s in enumerate(states) if s is not None and s.fill(bitmask, i)]
-    if not rows:
-        return
+    bitmask = torch.stack([torch.frombuffer(bytearray(rows[i]), dtype=torch.int32) for i in constrained])
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         import xgrammar as xgr
-        xgr.apply_token_bitmask_inplace(logits, bitmask[:B], vocab_size=V, indices=rows)
+        full = torch.full((B, bitmask.shape[1]), -1, dtype=torch.int32)
+        full[constrained] = bitmask
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=V, indices=constrained)
         return
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    bits = bitmask[rows].to(logits.device, non_blocking=True)
+    idx = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+    bits = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :V]
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(len(constrained), -1)[:, :V]
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))

@@ -1,62 +1,123 @@
-"""Linear layers built from a few kinds, each with a per-parameter weight loader.
+"""Linear layers by how tensor parallelism shards them, each loading its own slice of a checkpoint tensor.
 
-Merged layers (qkv, gate_up) hold several checkpoint tensors in one weight so a
-single matmul computes them; their loader places each shard. Tensor
-parallelism later shards along the output (column) or input (row) dimension
-inside these loaders, without touching the model files.
+- `Linear`: replicated (every rank holds the whole weight); the base of the others.
+- `ColumnParallelLinear`: the output dimension split across ranks; no communication.
+- `MergedColumnParallelLinear`: several checkpoint tensors (gate, up) stacked along the output
+  dimension, each split across ranks, so one matmul computes them all.
+- `QKVParallelLinear`: q, k and v split by heads; KV heads are replicated when there are fewer
+  of them than ranks.
+- `RowParallelLinear`: the input dimension split; partial sums are all-reduced, then the bias added.
+
+Sharding happens in `load` (before any dtype cast or packing); the math is the layer's
+`LinearMethod`. At size 1 every layer holds the whole tensor and no collective runs.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.distributed.parallel_state import all_reduce, tp_group
+from tokenloom.model.layers.linear_method import UNQUANTIZED, LinearMethod, mixed_linear  # noqa: F401
 from tokenloom.profiler import PROFILER
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 method: LinearMethod = UNQUANTIZED):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.method = method
 
     def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        param = self.weight if name == "weight" else self.bias
-        _copy(param.data, tensor, name)
+        _copy(self._param(name).data, tensor, name)
+
+    def _param(self, name: str) -> torch.Tensor:
+        return self.weight if name == "weight" else self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with PROFILER.section("matmul"):
-            return mixed_linear(x, self.weight, self.bias)
+            return self.method.apply(self, x, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several output blocks (e.g. q, k, v) stacked along the output dimension."""
+class ColumnParallelLinear(Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp = tp_group()
+        super().__init__(in_features, out_features // self.tp.size, bias)
+
+    def load(self, name, tensor, shard=None):
+        part = tensor.shape[0] // self.tp.size
+        _copy(self._param(name).data, tensor.narrow(0, self.tp.rank * part, part), name)
+
+
+class MergedColumnParallelLinear(Linear):
+    """Output blocks named by checkpoint shard (e.g. gate, up); `offsets` are this rank's (start, size)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in shard_sizes.items():
-            self.offsets[name] = (start, size)
-            start += size
+        self.tp = tp_group()
+        local = {name: size // self.tp.size for name, size in shard_sizes.items()}
+        super().__init__(in_features, sum(local.values()), bias)
+        self.offsets = _offsets(local)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        param = self.weight if name == "weight" else self.bias
+    def _shard_rows(self, shard: str, tensor: torch.Tensor) -> torch.Tensor:
+        size = self.offsets[shard][1]
+        return tensor.narrow(0, self.tp.rank * size, size)
+
+    def load(self, name, tensor, shard=None):
         start, size = self.offsets[shard]
-        _copy(param.data.narrow(0, start, size), tensor, f"{shard}.{name}")
+        _copy(self._param(name).data.narrow(0, start, size), self._shard_rows(shard, tensor), f"{shard}.{name}")
 
 
-def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, in the weight's dtype when it differs from x's (reduced-precision matmul weights),
-    with the result and the bias addition back in x's dtype. ``weight`` may be prepacked for oneDNN."""
-    if weight.is_mkldnn:
-        out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
-    elif weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    else:
-        out = F.linear(x.to(weight.dtype), weight)
-    out = out.to(x.dtype)
-    return out if bias is None else out.add_(bias)
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v projections; rank r holds query heads [r*H/p, (r+1)*H/p) and the KV heads they read."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_group()
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.head_dim = head_dim
+        q, kv = num_heads * head_dim, self.num_kv_heads * head_dim * tp.size // self.kv_replicas
+        super().__init__(hidden_size, {"q": q, "k": kv * self.kv_replicas, "v": kv * self.kv_replicas}, bias)
+
+    def _shard_rows(self, shard, tensor):
+        size = self.offsets[shard][1]
+        index = self.tp.rank if shard == "q" else self.tp.rank // self.kv_replicas
+        return tensor.narrow(0, index * size, size)
+
+
+class RowParallelLinear(Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp = tp_group()
+        super().__init__(in_features // self.tp.size, out_features, bias)
+
+    def load(self, name, tensor, shard=None):
+        if name == "bias":
+            _copy(self.bias.data, tensor, name)
+            return
+        part = tensor.shape[1] // self.tp.size
+        _copy(self.weight.data, tensor.narrow(1, self.tp.rank * part, part), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        with PROFILER.section("matmul"):
+            out = self.method.apply(self, x, None)
+        with PROFILER.section("all_reduce"):
+            all_reduce(out)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+# The kind the model files used before tensor parallelism; at size 1 it is a plain merged layer.
+MergedLinear = MergedColumnParallelLinear
+
+
+def _offsets(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    offsets, start = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = (start, size)
+        start += size
+    return offsets
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

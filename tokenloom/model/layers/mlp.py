@@ -2,17 +2,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.model.layers.linear import Linear, MergedLinear
+from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul.
+
+    Tensor parallel: each rank holds a slice of the intermediate features (gate/up column-parallel,
+    down row-parallel), so one all-reduce per MLP."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, {"gate": intermediate_size,
+                                                                     "up": intermediate_size})
+        self.intermediate_size = self.gate_up_proj.offsets["up"][1]  # this rank's share
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.loader.resolve import resolve_model_path
 from tokenloom.model.models.registry import model_class
@@ -32,18 +33,24 @@ def open_model_source(path: str, dtype: torch.dtype):
     return CachedWeights.lookup(path, dtype) or GGUFModelFile(path)
 
 
+def read_arch_config(model: str | None) -> ArchConfig:
+    """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it)."""
+    return open_model_source(resolve_model_path(model), torch.float32).arch_config
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedModel:
     start = time.perf_counter()
     path = resolve_model_path(model)
     source = open_model_source(path, dtype)
     arch = source.arch_config
+    arch.check_tensor_parallel(tp_group().size)
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch)
     net = net.to_empty(device=device).to(dtype)
     _reset_buffers(net, arch, device)
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
-    fill_cache = isinstance(source, GGUFModelFile)
+    fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)

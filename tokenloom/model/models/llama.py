@@ -5,11 +5,13 @@ import torch
 from torch import nn
 
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
-from tokenloom.model.layers.attention import AttentionMetadata, TorchAttention
-from tokenloom.model.layers.linear import Linear, MergedLinear, mixed_linear
+from tokenloom.model.layers.attention import AttentionMetadata
+from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.linear import QKVParallelLinear, RowParallelLinear, mixed_linear
 from tokenloom.model.layers.mlp import GatedMLP
 from tokenloom.model.layers.norm import RMSNorm
 from tokenloom.model.layers.rotary import RotaryEmbedding
+from tokenloom.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from tokenloom.model.models.registry import register
 
 # Checkpoint projection name -> (merged module name, shard).
@@ -20,18 +22,22 @@ MERGED = {
 
 
 class SelfAttention(nn.Module):
+    """Tensor parallel: each rank attends with its share of the heads (qkv column-parallel by heads, o_proj
+    row-parallel), so one all-reduce per attention block."""
+
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = attention_backend().make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -60,8 +66,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -81,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         # The tied embedding as the head multiplies by it (reduced precision, prepacked); the lookup stays dense.
         self.tied_head_weight: torch.Tensor | None = None
 
@@ -94,8 +99,10 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head.weight
         return self.model.embed_tokens.weight if self.tied_head_weight is None else self.tied_head_weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return mixed_linear(hidden, self.head_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [T, V] on the first tensor-parallel rank (which samples); None on the others."""
+        logits = gather_logits(mixed_linear(hidden, self.head_weight()), self.config.vocab_size)
+        return None if logits is None else logits.float()
 
     def checkpoint_names(self) -> set[str]:
         """The checkpoint tensors (HF naming) that together fill every parameter through load_weight."""

@@ -1,4 +1,5 @@
-"""Start-up: pick device and dtype, load weights, size and allocate the KV cache, build the runner."""
+"""A worker's start-up: pick device and dtype, load this rank's share of the weights, size and allocate
+its KV cache, build the runner. The block pool that hands those blocks out lives in the EngineCore."""
 from __future__ import annotations
 
 import logging
@@ -8,11 +9,14 @@ import torch
 from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
-from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -20,10 +24,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
-class EngineSetup:
+class WorkerSetup:
     loaded: LoadedModel
     runner: ModelRunner
-    kv_manager: KVCacheManager
     device: torch.device
     dtype: torch.dtype
     num_blocks: int
@@ -67,15 +70,20 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+def kv_heads_per_rank(arch: ArchConfig, tp_size: int) -> int:
+    """KV heads a rank stores: its share, or one replicated head when there are more ranks than heads."""
+    return max(1, arch.num_kv_heads // tp_size)
+
+
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * dtype.itemsize
 
 
 def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, tp_group().size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free
@@ -85,7 +93,8 @@ def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, 
     return max(int(cache.kv_cache_memory * 2 ** 30 // per_block), 2)
 
 
-def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
+def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
+    """This rank's model, KV cache and runner (the tensor-parallel group is already joined)."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
@@ -93,7 +102,6 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     arch = loaded.arch
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
-        from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
             logger.warning("this CPU has no native %s dot product; %s matmuls will be slower than float32",
                            _name(matmul_dtype), _name(matmul_dtype))
@@ -107,9 +115,11 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
     if device.type == "cuda":
         _profile_forward(loaded.model, arch, config, device, dtype)
     kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
-    num_blocks = _count_blocks(config, arch, device, kv_dtype)
-    kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype,
-                             device=device)
+    num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype))  # every rank holds as many
+    attention = attention_backend()
+    shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
+                                     arch.head_dim)
+    kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                  for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
                                leave=False)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
@@ -121,9 +131,9 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
         logger.warning("max_model_len clamped from %d to %d: the KV cache holds only %d tokens "
                        "(raise --kv-cache-memory or --num-blocks)", max_len, capacity, capacity)
         max_len = capacity
-    kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-    runner = ModelRunner(loaded.model, kv_caches, block_size, device)
-    setup = EngineSetup(loaded, runner, kv, device, dtype, num_blocks, block_size, max_len)
+    attention.bind(kv_caches[0])
+    runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
+    setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
     logger.info(setup.summary())
     return setup
@@ -132,7 +142,6 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineSetup:
 @torch.inference_mode()
 def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
     """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
-    from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
         table = torch.zeros(1, dtype=torch.long, device=device)
@@ -152,11 +161,11 @@ def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
     """Run one max-size forward so the KV budget leaves room for activations."""
-    from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
     n = config.scheduler.max_num_batched_tokens
     bs = config.cache.block_size
     blocks = -(-n // bs)
-    caches = [torch.zeros(2, blocks, bs, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+    caches = [torch.zeros(2, blocks, bs, kv_heads_per_rank(arch, tp_group().size), arch.head_dim, dtype=dtype,
+                          device=device)
               for _ in range(arch.num_layers)]
     meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None,
                              [PrefillChunk(0, n, n, torch.arange(blocks, device=device))])

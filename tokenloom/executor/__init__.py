@@ -1,0 +1,1 @@
+"""The seam between the EngineCore and the devices: the step contract, executors and the worker."""

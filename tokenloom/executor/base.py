@@ -1,0 +1,35 @@
+"""The executor interface: how the EngineCore reaches its workers, wherever they run."""
+from __future__ import annotations
+
+from tokenloom.config import EngineConfig
+from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.executor.worker_info import WorkerInfo
+
+
+class ExecutorFault(RuntimeError):
+    """A worker died, hung up or lost its peers: the engine, not one request, has failed."""
+
+
+class Executor:
+    def initialize(self) -> WorkerInfo:
+        """Start the workers; returns rank 0's description once every rank is ready."""
+        raise NotImplementedError
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's samples. A request's bug raises as in one process;
+        a lost worker raises ExecutorFault."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise ExecutorFault if a worker is gone (called between steps as well)."""
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
+    if config.parallel.executor_backend == "uni":
+        from tokenloom.executor.uni import UniExecutor
+        return UniExecutor(config, progress)
+    from tokenloom.executor.mp import MultiprocExecutor
+    return MultiprocExecutor(config, progress)

@@ -1,0 +1,85 @@
+"""The step contract: what the scheduler sends the workers each step, and what comes back.
+
+Plain msgspec structs keyed by a sequence's key (`sequence_key`), never live `Request`
+objects, so a step crosses a process or machine boundary as msgpack. Workers keep each
+sequence's state between steps (`executor.request_state`), so a step carries deltas only:
+a new sequence once with its prompt and parameters, then per step the tokens it gained,
+its new KV blocks and how many tokens to compute. The scheduler alone decides a
+sequence's fate (stop checks, freeing); workers only compute and sample.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from tokenloom.sampling_params import SamplingParams
+
+# One token's logprobs: [[token_id, logprob, rank], ...], the chosen token first, then the top-k.
+TokenLogprobs = list[list[float]]
+
+
+def sequence_key(request_id: str, index: int) -> str:
+    """A request's sequence 0 is keyed by its id; the siblings of n > 1 by id#index."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+class NewRequestData(msgspec.Struct, kw_only=True, array_like=True):
+    """A sequence the workers have not seen: everything they need to compute and sample it."""
+
+    key: str
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prompt tokens served from the prefix cache
+    eos_token_ids: list[int] = []
+    bad_words_token_ids: list[list[int]] = []
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
+    """A known sequence scheduled again: only what changed since the workers last saw it."""
+
+    key: str
+    new_token_ids: list[int]  # tokens appended since (the previous step's samples)
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption or a fork)
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    step_id: int = 0  # workers apply a step's deltas and block copies once, however often it is re-run
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    # Tokens each scheduled sequence computes this step (a decode 1; a prefill chunk more).
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_keys: list[str] = []  # the workers drop these sequences' state
+    block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward
+    # Sampling rows constrained by a grammar: key -> int32 bitmask over the vocabulary, as bytes.
+    grammar_bitmask: dict[str, bytes] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.num_scheduled_tokens)
+
+    def subset(self, keys: list[str]) -> "SchedulerOutput":
+        """The same step computing some sequences only: how fault isolation re-runs part of a failed batch.
+        It keeps every delta (the failure may have come before any worker saw them); the step id makes
+        workers apply them once."""
+        return msgspec.structs.replace(
+            self, num_scheduled_tokens={k: self.num_scheduled_tokens[k] for k in keys},
+            grammar_bitmask={k: v for k, v in self.grammar_bitmask.items() if k in keys})
+
+
+class SampledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sequence sampled in one step: several tokens once speculation lands, one today."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    # Per scheduled key that sampled: one entry per sequence (n > 1 forks sample all siblings at once).
+    sampled: dict[str, list[SampledSequence]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # this step's prompt positions, per key

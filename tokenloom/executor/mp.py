@@ -1,0 +1,114 @@
+"""One process per rank, started and watched by the EngineCore.
+
+The EngineCore talks to rank 0 only (two ZMQ sockets on 127.0.0.1); rank 0 forwards each
+step to the other ranks over torch.distributed. While it waits for an answer, the executor
+checks every 100 ms that its workers are alive: a worker that dies is an `ExecutorFault`
+(the engine fails and the server reports it; nothing waits forever). A worker that hangs is
+caught by the engine's step timeout, as a hung forward in one process would be.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+
+import zmq
+
+from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.executor import messages
+from tokenloom.executor.base import Executor, ExecutorFault
+from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.executor.worker_proc import start_workers
+from tokenloom.model.loader import read_arch_config
+
+logger = logging.getLogger("tokenloom.engine")
+
+POLL_MS = 100  # how often a waiting executor checks its workers' pulse
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerStepError(RuntimeError):
+    """A step raised inside rank 0: treated like the same exception in one process."""
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ConfigError("only node 0 runs the engine; start other nodes with `tokenloom serve ... "
+                              f"--node-rank {parallel.node_rank}`, which runs their workers")
+        read_arch_config(config.model.model).check_tensor_parallel(parallel.world_size)
+        self.config = config
+        self.ctx = zmq.Context()
+        self.to_rank0 = self.ctx.socket(zmq.PUSH)
+        self.to_rank0.setsockopt(zmq.LINGER, 0)
+        self.from_rank0 = self.ctx.socket(zmq.PULL)
+        self.from_rank0.setsockopt(zmq.LINGER, 0)
+        input_addr = _bind(self.to_rank0)
+        output_addr = _bind(self.from_rank0)
+        port = parallel.master_port or _free_port()
+        self.procs: dict[int, subprocess.Popen] = start_workers(config, port, input_addr, output_addr, progress)
+        self._closed = False
+
+    def initialize(self) -> WorkerInfo:
+        msg = self._receive()
+        if isinstance(msg, messages.StartupFailed):
+            self.shutdown()
+            raise RuntimeError(f"worker start-up failed: {msg.error}")
+        if not isinstance(msg, messages.WorkerReady):
+            raise ExecutorFault(f"unexpected first message from rank 0: {type(msg).__name__}")
+        return msg.info
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self.to_rank0.send(messages.encode(messages.ExecuteModel(step=step)))
+        msg = self._receive()
+        if isinstance(msg, messages.StepDone):
+            return msg.output
+        if isinstance(msg, messages.StepFailed):
+            raise WorkerStepError(f"{msg.kind}: {msg.error}")
+        raise ExecutorFault(f"unexpected message from rank 0: {type(msg).__name__}")
+
+    def _receive(self):
+        while not self.from_rank0.poll(POLL_MS):
+            self.check_health()
+        return messages.decode_output(self.from_rank0.recv())
+
+    def check_health(self) -> None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise ExecutorFault(f"worker rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        intact = all(p.poll() is None for p in self.procs.values())
+        if intact:  # otherwise the survivors wait on a dead peer: no point asking them
+            self.to_rank0.send(messages.encode(messages.Shutdown()))
+        for proc in self.procs.values():
+            try:
+                proc.wait(SHUTDOWN_GRACE_S if intact else 0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in (self.to_rank0, self.from_rank0):
+            sock.close()
+        self.ctx.term()
+
+    def __del__(self):
+        for proc in getattr(self, "procs", {}).values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _bind(sock: zmq.Socket) -> str:
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,92 @@
+"""What a worker remembers about each sequence between steps (the persistent batch).
+
+Built from `NewRequestData` once, then advanced by each step's `CachedRequestData`; dropped
+when the scheduler lists the key as finished. It holds what only the device side needs: the
+token history for inputs and penalties, the block table, and the seeded generators, which
+must live where sampling happens (rank 0) so a seeded request draws the same numbers whatever
+process it runs in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.executor.contract import CachedRequestData, NewRequestData, sequence_key
+from tokenloom.sampling_params import SamplingParams
+
+# Child c of a seeded request draws from seed + CHILD_SEED_STRIDE * c, so siblings differ.
+CHILD_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class RequestState:
+    key: str
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
+    # One per sequence still to come out of this one: n (or best_of) before the fork, then one.
+    generators: list[torch.Generator | None] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
+        params = new.sampling_params
+        width = max(params.n, params.best_of or params.n)
+        return cls(new.key, new.request_id, params, list(new.prompt_token_ids), list(new.prompt_token_ids),
+                   list(new.block_ids), new.num_computed_tokens,
+                   [] if params.ignore_eos else list(new.eos_token_ids),
+                   [list(w) for w in new.bad_words_token_ids],
+                   [_generator(params.seed, child, device) for child in range(width)])
+
+    def apply(self, delta: CachedRequestData) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.replace_block_ids:
+            self.block_ids = list(delta.new_block_ids)
+        else:
+            self.block_ids.extend(delta.new_block_ids)
+        self.num_computed_tokens = delta.num_computed_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def forks(self) -> bool:
+        """Whether this step's sample splits the sequence into its n siblings."""
+        return len(self.generators) > 1
+
+    @property
+    def needs_logprob(self) -> bool:
+        return self.params.logprobs is not None or (self.params.best_of or 0) > self.params.n
+
+    def fork(self) -> list["RequestState"]:
+        """The siblings 1..n-1, each with its own generator; this state keeps generator 0."""
+        children = []
+        for index, generator in enumerate(self.generators[1:], start=1):
+            children.append(RequestState(sequence_key(self.request_id, index), self.request_id, self.params,
+                                         self.prompt_token_ids, list(self.token_ids), list(self.block_ids),
+                                         self.num_computed_tokens, self.eos_token_ids, self.bad_words_token_ids,
+                                         [generator]))
+        self.generators = self.generators[:1]
+        return children
+
+
+def _generator(seed: int | None, child: int, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((seed + CHILD_SEED_STRIDE * child) % (2 ** 63))
+    return g

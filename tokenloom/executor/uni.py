@@ -1,0 +1,22 @@
+"""The worker in the EngineCore's own process: no serialization, no copies (size 1, the default)."""
+from __future__ import annotations
+
+from tokenloom.config import EngineConfig
+from tokenloom.executor.base import Executor
+from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.executor.worker import Worker
+from tokenloom.executor.worker_info import WorkerInfo
+
+
+class UniExecutor(Executor):
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.worker = Worker(config, progress=progress)
+
+    def initialize(self) -> WorkerInfo:
+        return self.worker.load()
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(step)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,49 @@
+"""A worker: one rank's model, KV cache and runner. The executors drive it; it never decides a
+request's fate, only computes and (on rank 0) samples."""
+from __future__ import annotations
+
+import logging
+
+from tokenloom.config import EngineConfig
+from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
+from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.executor.setup import _name, build_worker, pick_device
+from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.model.layers.attention_backend import select_attention_backend
+
+logger = logging.getLogger("tokenloom.engine")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, master_port: int | None = None,
+                 progress: bool = True):
+        self.config = config
+        self.rank = rank
+        self.master_port = master_port
+        self.progress = progress and rank == 0
+        self.setup = None
+
+    def load(self) -> WorkerInfo:
+        parallel = self.config.parallel
+        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
+                             pick_device(self.config.model.device))
+        select_attention_backend(self.config.model.attention_backend)
+        self.setup = setup = build_worker(self.config, progress=self.progress)
+        arch = setup.arch
+        return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
+                          vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
+                          eos_token_ids=list(arch.eos_token_ids), device=str(setup.device), dtype=_name(setup.dtype),
+                          kv_cache_dtype=_name(setup.runner.kv_caches[0].dtype), num_blocks=setup.num_blocks,
+                          block_size=setup.block_size, max_model_len=setup.max_model_len,
+                          tensor_parallel_size=tp_group().size, summary=setup.summary())
+
+    @property
+    def runner(self):
+        return self.setup.runner
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.runner.update_states(step)
+        return self.runner.execute_model(step)
+
+    def shutdown(self) -> None:
+        destroy_tensor_parallel()

@@ -1,0 +1,24 @@
+"""What a started worker tells the EngineCore: the model's shape and the KV cache it allocated."""
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    num_blocks: int  # per rank; every rank holds the same number
+    block_size: int
+    max_model_len: int
+    tensor_parallel_size: int
+    summary: str  # one line for the log: the KV cache and how many full-length requests fit
+
+    @property
+    def full_length_requests(self) -> int:
+        return self.num_blocks * self.block_size // self.max_model_len
