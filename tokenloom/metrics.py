@@ -1,5 +1,10 @@
 """Prometheus metrics of the server, prefix ``tokenloom:``, named as operators know them from vLLM.
 
+Names, types, the ``model_name`` label and the histogram buckets follow vLLM's, so that its Grafana
+dashboards work unchanged once the prefix is ``vllm:`` (``--metrics-prefix vllm``, or
+``TOKENLOOM_METRICS_PREFIX=vllm``). The deprecated ``gpu_prefix_cache_*`` counters are kept because
+the production-stack dashboard still reads them.
+
 One `ServerMetrics` per server, on its own registry (so tests and several servers in
 one process never clash). The frontend feeds it:
 
@@ -13,10 +18,11 @@ one process never clash). The frontend feeds it:
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter,
+                               Gauge, Histogram, disable_created_metrics, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # No `*_created` series next to every counter (vLLM does the same).
@@ -24,10 +30,32 @@ disable_created_metrics()
 
 PREFIX = "tokenloom:"
 
+
+def default_prefix() -> str:
+    """``tokenloom:`` unless TOKENLOOM_METRICS_PREFIX names another (``vllm`` or ``vllm:``)."""
+    name = os.environ.get("TOKENLOOM_METRICS_PREFIX", "").strip() or PREFIX
+    return name if name.endswith(":") else name + ":"
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                      10.0, 20.0, 40.0, 80.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_DEFAULT_MAX_MODEL_LEN = 8192
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
@@ -37,20 +65,29 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, cache_info: dict[str, Any] | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
+                 registry: CollectorRegistry | None = None, prefix: str | None = None,
+                 max_model_len: int | None = None) -> None:
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            # process_* (CPU seconds, resident memory, open fds, start time) and python_* as every
+            # prometheus-client process exposes them; the http_* families are added by the app.
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         self.model_name = model_name
+        self.prefix = prefix = prefix if prefix is not None else default_prefix()
         labels = ["model_name"]
         r = self.registry
+        length_buckets = build_1_2_5_buckets(max_model_len or _DEFAULT_MAX_MODEL_LEN)
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Gauge(prefix + name, doc, labels, registry=r).labels(model_name)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Counter(prefix + name, doc, labels, registry=r).labels(model_name)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -58,22 +95,29 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.gpu_prefix_cache_queries = counter("gpu_prefix_cache_queries",
+                                                "Deprecated name of prefix_cache_queries (kept for dashboards).")
+        self.gpu_prefix_cache_hits = counter("gpu_prefix_cache_hits",
+                                             "Deprecated name of prefix_cache_hits (kept for dashboards).")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
         self.kv_cache_used_blocks = gauge("kv_cache_used_blocks",
                                           "KV-cache blocks held by requests (0 when the engine is idle).")
         self.engine_restarts = counter("engine_restarts", "Times the EngineCore process was restarted.")
         self.engine_healthy = gauge("engine_healthy", "1 while the engine process is alive and answering.")
-        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before reaching the engine "
+        self._rejected = Counter(prefix + "request_rejected", "Requests refused before reaching the engine "
                                  "(queue_full, engine_unavailable).", labels + ["reason"], registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens served.")
-        self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+        self._success = Counter(prefix + "request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.request_success = {reason: self._success.labels(model_name, reason) for reason in FINISH_REASONS}
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
                                              _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.",
-                                             _LATENCY_BUCKETS)
+                                             _PER_TOKEN_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per request: decode time over its output tokens after the "
+            "first.", _PER_TOKEN_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Request latency, end to end.",
                                              _REQUEST_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
@@ -82,9 +126,23 @@ class ServerMetrics:
                                               "Time from first scheduled to first token.", _REQUEST_BUCKETS)
         self.request_decode_time = histogram("request_decode_time_seconds",
                                              "Time from first token to the last.", _REQUEST_BUCKETS)
+        self.request_inference_time = histogram("request_inference_time_seconds",
+                                                "Time from first scheduled to finished (prefill + decode).",
+                                                _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                               length_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request (all its sequences).",
+                                                   length_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Per finished request: the longest of its sequences, in tokens.",
+            length_buckets)
+        self.request_params_n = histogram("request_params_n", "The n parameter of the requests.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "The max_tokens parameter of the requests.", length_buckets)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           _TOKEN_BUCKETS)
-        self.cache_config_info = Gauge(PREFIX + "cache_config_info", "Information of the KV-cache config.",
+        self.cache_config_info = Gauge(prefix + "cache_config_info", "Information of the KV-cache config.",
                                        sorted((cache_info or {}).keys()), registry=r)
         if cache_info:
             self.cache_config_info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
@@ -106,15 +164,16 @@ class ServerMetrics:
             self.kv_cache_usage_perc.set(usage)
         if stats.get("kv_blocks_used") is not None:
             self.kv_cache_used_blocks.set(stats["kv_blocks_used"])
-        for key, metric in (("prefix_cache_queries", self.prefix_cache_queries),
-                            ("prefix_cache_hits", self.prefix_cache_hits),
-                            ("num_preemptions", self.num_preemptions)):
+        for key, metrics in (("prefix_cache_queries", (self.prefix_cache_queries, self.gpu_prefix_cache_queries)),
+                             ("prefix_cache_hits", (self.prefix_cache_hits, self.gpu_prefix_cache_hits)),
+                             ("num_preemptions", (self.num_preemptions,))):
             value = stats.get(key)
             if value is None:
                 continue
             last = self._engine_counters.get(key, 0.0)
             if value > last:
-                metric.inc(value - last)
+                for metric in metrics:
+                    metric.inc(value - last)
             self._engine_counters[key] = max(last, float(value))
 
     def reset_engine_counters(self) -> None:
@@ -130,6 +189,12 @@ class ServerMetrics:
 
     # -------------------------------------------------------------- per request
 
+    def observe_request_params(self, *, n: int, max_tokens: int | None) -> None:
+        """Once per request, as it arrives."""
+        self.request_params_n.observe(n)
+        if max_tokens:
+            self.request_params_max_tokens.observe(max_tokens)
+
     def observe_first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(max(0.0, seconds))
 
@@ -138,9 +203,14 @@ class ServerMetrics:
 
     def observe_finished(self, *, finish_reason: str, prompt_tokens: int, generation_tokens: int,
                          e2e: float, queue: float | None = None, prefill: float | None = None,
-                         decode: float | None = None) -> None:
+                         decode: float | None = None, max_generation_tokens: int | None = None) -> None:
+        """`max_generation_tokens`: the longest sequence of an n > 1 request (default: generation_tokens)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_max_num_generation_tokens.observe(
+            generation_tokens if max_generation_tokens is None else max_generation_tokens)
         reason = finish_reason if finish_reason in self.request_success else "error"
         self.request_success[reason].inc()
         self.e2e_request_latency.observe(max(0.0, e2e))
@@ -148,6 +218,11 @@ class ServerMetrics:
                             (self.request_decode_time, decode)):
             if value is not None and value >= 0:
                 hist.observe(value)
+        if prefill is not None and decode is not None and prefill >= 0 and decode >= 0:
+            self.request_inference_time.observe(prefill + decode)
+        longest = generation_tokens if max_generation_tokens is None else max_generation_tokens
+        if decode is not None and decode >= 0 and longest > 1:
+            self.request_time_per_output_token.observe(decode / (longest - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

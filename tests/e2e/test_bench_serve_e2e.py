@@ -142,3 +142,35 @@ def test_unknown_model_is_reported_as_failures(server):
                "--no-calibrate")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "Failed requests:" in p.stdout and "first error: HTTP 404" in p.stdout
+
+
+def test_sweep_points_get_fresh_prompts(server, tmp_path):
+    """The second point would find the first point's prompts in the prefix cache if it reused them."""
+    out = tmp_path / "f.json"
+    p = _bench(server, "--num-prompts", "2", "--input-len", "64", "--output-len", "2", "--ignore-eos",
+               "--sweep", "1,1", "--json", str(out), "--seed", "7")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "each point gets fresh prompts" in p.stderr
+    first, second = json.loads(out.read_text())["runs"]
+    assert second["cached_input_tokens"] == 0, second
+
+
+def test_a_vllm_bench_serve_command_line_runs(server, tmp_path):
+    """Flags as `vllm bench serve` spells them, on a ShareGPT-format file."""
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([
+        {"id": str(i), "conversations": [
+            {"from": "human", "value": f"Please name {i + 2} colours of the rainbow and say why the sky is blue."},
+            {"from": "gpt", "value": "Red, orange, yellow. The sky is blue because air scatters blue light most."}]}
+        for i in range(4)]))
+    url = server.rsplit(":", 1)
+    p = subprocess.run([*_tokenloom_cmd(), "bench", "serve", "--host", url[0].split("//")[1], "--port", url[1],
+                        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                        "--dataset-name", "sharegpt", "--dataset-path", str(data), "--num-prompts", "2",
+                        "--sharegpt-output-len", "4", "--goodput", "ttft:600000", "tpot:600000", "--save-result",
+                        "--result-dir", str(tmp_path), "--result-filename", "vllm-style.json", "--disable-tqdm"],
+                       capture_output=True, text=True, timeout=240, env=_server_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    (run,) = json.loads((tmp_path / "vllm-style.json").read_text())["runs"]
+    _sane(run, 2, out_len=4)
+    assert run["good_requests"] == 2

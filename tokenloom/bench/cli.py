@@ -9,7 +9,7 @@ from tokenloom.config import add_engine_args
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     p = sub.add_parser("throughput", help="offline: random prompts through LLM.generate")
-    p.add_argument("--model", dest="model", default=None)
+    p.add_argument("-m", "--model", dest="model", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)

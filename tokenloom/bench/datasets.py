@@ -1,4 +1,4 @@
-"""Prompt sets for `tokenloom bench serve`: random, shared-prefix and jsonl.
+"""Prompt sets for `tokenloom bench serve`: random, shared-prefix, jsonl and ShareGPT.
 
 Prompts are built from common English words picked at random, one word being about one
 token for most BPE tokenizers. ``tokens_per_word`` (measured against the server's
@@ -98,10 +98,10 @@ def shared_prefix_dataset(num_prompts: int, num_groups: int, prefix_len: int, in
 
 
 def jsonl_dataset(path: str, num_prompts: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
-                  tokens_per_word: float = 1.0) -> list[BenchPrompt]:
+                  tokens_per_word: float = 1.0, start: int = 0) -> list[BenchPrompt]:
     """One JSON object per line with a "prompt" string; optional "system" (sent as the shared
-    prefix / system message) and "output_len" (or "max_tokens"). The file is cycled through
-    when it holds fewer than ``num_prompts`` lines."""
+    prefix / system message) and "output_len" (or "max_tokens"). Lines are taken from line
+    ``start`` on, and the file is cycled through when it holds fewer lines than needed."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -121,11 +121,54 @@ def jsonl_dataset(path: str, num_prompts: int, output_len: int, range_ratio: flo
     outs = sample_lengths(rng, output_len, range_ratio, num_prompts)
     out = []
     for k in range(num_prompts):
-        obj = rows[k % len(rows)]
+        obj = rows[(start + k) % len(rows)]
         system = obj.get("system") or ""
         prefix = (system + "\n") if system else ""
         o = obj.get("output_len", obj.get("max_tokens"))
         o = int(o) if o is not None else outs[k]
         est = int(round(len((prefix + obj["prompt"]).split()) * tokens_per_word))
         out.append(BenchPrompt(prompt=obj["prompt"], output_len=o, input_len=est, prefix=prefix))
+    return out
+
+
+def sharegpt_dataset(path: str, num_prompts: int, output_len: int | None = None, seed: int = 0,
+                     tokens_per_word: float = 1.3, min_tokens: int = 4, max_prompt_tokens: int = 1024,
+                     max_total_tokens: int = 2048) -> list[BenchPrompt]:
+    """ShareGPT-format JSON (a list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
+    ...}]}): the first human turn is the prompt, the reply's length is the output length unless
+    ``output_len`` is given. Conversations are shuffled with ``seed`` and, as vLLM does, those with a
+    prompt or reply under ``min_tokens`` or too long are skipped. Lengths are estimated from words."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of conversations (ShareGPT format)")
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, second = turns[0], turns[1]
+        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in (first, second)):
+            continue
+        pairs.append((first["value"], second["value"]))
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for prompt, reply in pairs:
+        if len(out) == num_prompts:
+            break
+        n_in = max(1, int(round(len(prompt.split()) * tokens_per_word)))
+        n_out = output_len or max(1, int(round(len(reply.split()) * tokens_per_word)))
+        if n_in < min_tokens or (output_len is None and n_out < min_tokens):
+            continue
+        if n_in > max_prompt_tokens or n_in + n_out > max_total_tokens:
+            continue
+        out.append(BenchPrompt(prompt=prompt, output_len=n_out, input_len=n_in))
+    if not out:
+        raise ValueError(f"{path}: no usable conversations (ShareGPT format: a list of "
+                         f'{{"conversations": [{{"from": "human", "value": ...}}, {{"from": "gpt", ...}}]}})')
+    if len(out) < num_prompts:
+        out = [out[k % len(out)] for k in range(num_prompts)]
     return out

@@ -1,11 +1,14 @@
 """`tokenloom bench serve`: a load generator for any OpenAI-compatible server.
 
-It builds a prompt set (random, shared-prefix or a jsonl file), sends the requests as
+It builds a prompt set (random, shared-prefix, a jsonl file or ShareGPT JSON), sends the requests as
 streaming completions or chat completions at a given request rate (Poisson or gamma
 arrivals) under an optional concurrency cap, and reports throughput and latency
 (TTFT, TPOT, ITL, end to end) measured on the client side, with token counts from the
 server's ``usage``. ``--sweep`` repeats the run for several concurrencies; ``--plot``
-draws the sweep. Only HTTP is used, so it measures tokenloom, vLLM or llama.cpp alike.
+draws the sweep; every point of a sweep gets fresh prompts (the seed plus the point's
+index), so no point is served from prefixes a previous point cached. Only HTTP is used, so
+it measures tokenloom, vLLM or llama.cpp alike. `vllm bench serve`'s flag names are accepted
+as aliases (--dataset-name, --random-input-len, --save-result, --goodput, --backend, ...).
 
 Exit status: 0 when every request succeeded, 1 when some failed (the report is still
 printed and written), 2 on a usage or connection error before the run.
@@ -47,31 +50,80 @@ def _concurrency_list(text: str) -> list[int]:
     return out
 
 
+# vLLM's --dataset-name values -> ours.
+DATASET_NAMES = {"random": "random", "shared-prefix": "shared-prefix", "prefix_repetition": "shared-prefix",
+                 "jsonl": "jsonl", "custom": "jsonl", "sharegpt": "sharegpt"}
+# vLLM's --backend values and --endpoint paths -> our endpoint names.
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+ENDPOINT_PATHS = {"completions": "completions", "chat": "chat", "/v1/completions": "completions",
+                  "/v1/chat/completions": "chat"}
+
+
+def _choice(table: dict[str, str], what: str):
+    def parse(text: str) -> str:
+        if text not in table:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r} (one of {', '.join(table)})")
+        return table[text]
+    parse.__name__ = what
+    return parse
+
+
+def _goodput(text: str) -> str:
+    """vLLM's --goodput KEY:MS -> our --slo KEY=MS."""
+    key, sep, value = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY:MS (e.g. ttft:500), got {text!r}")
+    return f"{key}={value}"
+
+
+class _Refused(argparse.Action):
+    def __init__(self, option_strings, dest, reason: str, **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ValueError(f"{option_string}: {self.reason}")
+
+
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.description = ("Load test of an OpenAI-compatible server (tokenloom, vLLM, llama.cpp, ...): streaming "
                      "requests, client-side TTFT/TPOT/ITL/E2E latency, throughput from the server's usage.")
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default=DEFAULT_BASE_URL,
                    help=f"server root, with or without /v1 (default {DEFAULT_BASE_URL})")
+    g.add_argument("--host", default=None, help="server host, when --base-url is not given (vLLM's flag)")
+    g.add_argument("--port", type=int, default=None, help="server port, when --base-url is not given (vLLM's flag)")
     g.add_argument("--model", default=None, help="model name to send (default: the first id from GET /v1/models)")
-    g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
-                   help="completions (/v1/completions) or chat (/v1/chat/completions); default completions")
+    g.add_argument("--endpoint", type=_choice(ENDPOINT_PATHS, "endpoint"), default="completions",
+                   help="completions (/v1/completions) or chat (/v1/chat/completions); the paths are accepted too; "
+                        "default completions")
+    g.add_argument("--backend", type=_choice(BACKENDS, "backend"), default=None,
+                   help="vLLM's spelling of the endpoint: openai or vllm (completions), openai-chat (chat)")
+    g.add_argument("--tokenizer", default=None,
+                   help="accepted for vLLM command lines; token counts come from the server (usage, /tokenize)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", type=_choice(DATASET_NAMES, "dataset"),
+                   default="random", help="random | shared-prefix (vLLM: prefix_repetition) | jsonl (vLLM: custom) | "
+                                          "sharegpt; default random")
     d.add_argument("--num-prompts", type=_positive_int, default=100)
-    d.add_argument("--input-len", type=int, default=256,
-                   help="prompt tokens (shared-prefix: tokens after the prefix); default 256")
-    d.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request (default 128)")
-    d.add_argument("--range-ratio", type=float, default=0.0,
+    d.add_argument("--input-len", "--random-input-len", "--prefix-repetition-suffix-len", dest="input_len",
+                   type=int, default=256, help="prompt tokens (shared-prefix: tokens after the prefix); default 256")
+    d.add_argument("--output-len", "--random-output-len", "--prefix-repetition-output-len", dest="output_len",
+                   type=_positive_int, default=128, help="max_tokens per request (default 128)")
+    d.add_argument("--sharegpt-output-len", type=_positive_int, default=None,
+                   help="sharegpt: max_tokens of every request (default: the length of the dataset's reply)")
+    d.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
                    help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: fixed)")
-    d.add_argument("--num-groups", type=_positive_int, default=1,
-                   help="shared-prefix: number of distinct prefixes (default 1)")
-    d.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: prefix tokens (default 1000)")
+    d.add_argument("--num-groups", "--prefix-repetition-num-prefixes", dest="num_groups", type=_positive_int,
+                   default=1, help="shared-prefix: number of distinct prefixes (default 1)")
+    d.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=1000,
+                   help="shared-prefix: prefix tokens (default 1000)")
     d.add_argument("--dataset-path", default=None,
-                   help='jsonl: one {"prompt": ...} per line (optional "system", "output_len")')
+                   help='jsonl: one {"prompt": ...} per line (optional "system", "output_len"); '
+                        'sharegpt: a JSON list of {"conversations": [...]}')
     d.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="do not ask the server's /tokenize how many tokens the random words make")
     d.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
@@ -95,8 +147,17 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None, metavar="ttft=MS,tpot=MS",
                    help="goodput: requests/s meeting every limit (keys ttft, tpot, e2el; milliseconds)")
+    o.add_argument("--goodput", type=_goodput, nargs="+", default=None, metavar="KEY:MS",
+                   help="vLLM's spelling of --slo, e.g. --goodput ttft:500 tpot:50")
     o.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                    help="write the configuration, the summaries and per-request records as JSON")
+    o.add_argument("--save-result", action="store_true",
+                   help="write the JSON results to --result-dir/--result-filename (vLLM's flags)")
+    o.add_argument("--result-dir", default=".", help="with --save-result: folder (default .)")
+    o.add_argument("--result-filename", default=None,
+                   help="with --save-result: file name (default tokenloom-bench-{dataset}-{date}.json)")
+    for flag in ("--percentile-metrics", "--metric-percentiles"):
+        o.add_argument(flag, action=_Refused, reason="not supported: the report always gives mean, p50, p90 and p99")
     o.add_argument("--plot", default=None, metavar="FILE.png",
                    help="with --sweep: plot output tokens/s against TTFT p50 and TPOT p50")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -149,6 +210,28 @@ def calibrate_tokens_per_word(client: httpx.Client, root: str, model: str, seed:
     return (n / words) if n else None
 
 
+def resolve_vllm_aliases(ns: argparse.Namespace) -> list[str]:
+    """Fold vLLM's flags into ours (in place); returns notes for the user."""
+    import os
+    notes = []
+    if ns.host or ns.port:
+        if ns.base_url != DEFAULT_BASE_URL:
+            raise ValueError("give either --base-url or --host/--port")
+        ns.base_url = f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}"
+    if ns.backend and ns.endpoint == "completions":
+        ns.endpoint = ns.backend
+    if ns.goodput:
+        ns.slo = ",".join(([ns.slo] if ns.slo else []) + ns.goodput)
+    if ns.save_result and not ns.json_path:
+        name = ns.result_filename or f"tokenloom-bench-{ns.dataset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        ns.json_path = os.path.join(ns.result_dir, name)
+    if ns.tokenizer:
+        notes.append("note: --tokenizer is not used: token counts come from the server (usage, /tokenize)")
+    if ns.dataset == "sharegpt" and not ns.dataset_path:
+        raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
+    return notes
+
+
 def build_prompts(ns: argparse.Namespace, tokens_per_word: float) -> list[BenchPrompt]:
     if ns.dataset == "random":
         return datasets.random_dataset(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, ns.seed,
@@ -156,10 +239,13 @@ def build_prompts(ns: argparse.Namespace, tokens_per_word: float) -> list[BenchP
     if ns.dataset == "shared-prefix":
         return datasets.shared_prefix_dataset(ns.num_prompts, ns.num_groups, ns.prefix_len, ns.input_len,
                                               ns.output_len, ns.range_ratio, ns.seed, tokens_per_word)
+    if ns.dataset == "sharegpt":
+        # Real text runs about 1.3 tokens a word; the calibration measures the random words only.
+        return datasets.sharegpt_dataset(ns.dataset_path, ns.num_prompts, ns.sharegpt_output_len, ns.seed)
     if not ns.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path FILE")
     return datasets.jsonl_dataset(ns.dataset_path, ns.num_prompts, ns.output_len, ns.range_ratio, ns.seed,
-                                  tokens_per_word)
+                                  tokens_per_word, start=getattr(ns, "sweep_index", 0) * ns.num_prompts)
 
 
 # ---------------------------------------------------------------------------------- load
@@ -248,6 +334,12 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
 
     try:
+        for note in resolve_vllm_aliases(ns):
+            print(note, file=sys.stderr)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         slo = report.parse_slo(ns.slo)
     except ValueError as e:
         print(f"error: --slo: {e}", file=sys.stderr)
@@ -270,37 +362,40 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
                 print(f"error: cannot list the models at {api}/models: {e}", file=sys.stderr)
                 return 2
         tpw = None
-        if ns.calibrate and ns.dataset != "jsonl":
+        if ns.calibrate and ns.dataset in ("random", "shared-prefix"):
             tpw = calibrate_tokens_per_word(client, root, model)
     if ns.warmup < 0 or not ns.request_rate > 0 or not ns.burstiness > 0:
         print("error: --warmup must be >= 0, --request-rate and --burstiness > 0", file=sys.stderr)
         return 2
-    try:  # warm-up requests come from the same generator (same shared prefixes), after the measured ones
-        everything = build_prompts(argparse.Namespace(**dict(vars(ns), num_prompts=ns.num_prompts + ns.warmup)),
-                                   tpw or 1.0)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    prompts, warmup = everything[:ns.num_prompts], everything[ns.num_prompts:]
-    longest = max(p.input_len + p.output_len for p in prompts)
-    print(f"tokenloom bench serve: {len(prompts)} {ns.dataset} prompts -> {api}{ENDPOINTS[ns.endpoint]} "
-          f"(model {model}); "
-          + (f"{tpw:.3f} tokens/word from /tokenize" if tpw else "no /tokenize calibration, ~1 token/word"),
-          file=sys.stderr)
-    if isinstance(max_len, int) and longest > max_len:
-        print(f"warning: the longest request needs ~{longest} tokens, more than the server's max_model_len "
-              f"{max_len}", file=sys.stderr)
-
-    if warmup:
-        wres, _ = asyncio.run(run_load(warmup, api=api, endpoint=ns.endpoint, model=model, max_concurrency=1,
-                                       seed=ns.seed, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
-                                       headers=headers, timeout=ns.request_timeout, progress=False))
-        bad = [r for r in wres if not r.success]
-        print(f"warm-up: {len(wres) - len(bad)}/{len(wres)} requests succeeded"
-              + (f" (first error: {bad[0].error})" if bad else ""), file=sys.stderr)
     concurrencies: list[int | None] = list(ns.sweep) if ns.sweep else [ns.max_concurrency]
+    if len(concurrencies) > 1:
+        print(f"sweep: each point gets fresh prompts (seed {ns.seed} + the point's index), so none is served "
+              f"from prefixes an earlier point cached", file=sys.stderr)
     runs, details = [], []
-    for c in concurrencies:
+    for k, c in enumerate(concurrencies):
+        try:  # warm-up requests come from the same generator (same shared prefixes), after the measured ones
+            everything = build_prompts(argparse.Namespace(**dict(vars(ns), num_prompts=ns.num_prompts + ns.warmup,
+                                                                 seed=ns.seed + k, sweep_index=k)), tpw or 1.0)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        prompts, warmup = everything[:ns.num_prompts], everything[ns.num_prompts:]
+        if k == 0:
+            longest = max(p.input_len + p.output_len for p in prompts)
+            print(f"tokenloom bench serve: {len(prompts)} {ns.dataset} prompts -> {api}{ENDPOINTS[ns.endpoint]} "
+                  f"(model {model}); "
+                  + (f"{tpw:.3f} tokens/word from /tokenize" if tpw else "no /tokenize calibration, ~1 token/word"),
+                  file=sys.stderr)
+            if isinstance(max_len, int) and longest > max_len:
+                print(f"warning: the longest request needs ~{longest} tokens, more than the server's "
+                      f"max_model_len {max_len}", file=sys.stderr)
+        if warmup:
+            wres, _ = asyncio.run(run_load(warmup, api=api, endpoint=ns.endpoint, model=model, max_concurrency=1,
+                                           seed=ns.seed, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
+                                           headers=headers, timeout=ns.request_timeout, progress=False))
+            bad = [r for r in wres if not r.success]
+            print(f"warm-up: {len(wres) - len(bad)}/{len(wres)} requests succeeded"
+                  + (f" (first error: {bad[0].error})" if bad else ""), file=sys.stderr)
         results, duration = asyncio.run(run_load(
             prompts, api=api, endpoint=ns.endpoint, model=model, max_concurrency=c,
             request_rate=ns.request_rate, burstiness=ns.burstiness, seed=ns.seed, ignore_eos=ns.ignore_eos,

@@ -170,7 +170,7 @@ class AsyncLLM:
             "enable_prefix_caching": self.config.cache.enable_prefix_caching,
             "cache_dtype": self.info.get("kv_cache_dtype", self.info.get("dtype", self.config.model.dtype)),
         }
-        self.metrics = ServerMetrics(self.served_model_name, cache_info)
+        self.metrics = ServerMetrics(self.served_model_name, cache_info, max_model_len=self.max_model_len)
         self._started = True
         return self
 
@@ -268,6 +268,8 @@ class AsyncLLM:
         tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids),
                            num_seqs=max(params.n, params.best_of or params.n))
         self._requests[request_id] = tracked
+        if self.metrics is not None:
+            self.metrics.observe_request_params(n=params.n, max_tokens=params.max_tokens)
         self.output_processor.add_request(request_id, prompt_text, req.prompt_token_ids, params)
         self._log_received(request_id, req, params, prompt_text)
         finished = False
@@ -427,7 +429,9 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.observe_finished(finish_reason=reason or "stop", prompt_tokens=len(ro.prompt_token_ids),
                                           generation_tokens=gen, e2e=now - tracked.arrival, queue=queue,
-                                          prefill=prefill, decode=decode)
+                                          prefill=prefill, decode=decode,
+                                          max_generation_tokens=max((len(o.token_ids) for o in ro.outputs),
+                                                                    default=0))
         if self.log_requests != "off":
             msg = (f"request {ro.request_id} finished ({reason}): {len(ro.prompt_token_ids)} prompt + "
                    f"{gen} generated tokens in {now - tracked.arrival:.3f} s")

@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         core = _import_factory(args.core_factory)(config)
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the frontend
-        tb = traceback.format_exc()
-        logger.error("engine start-up failed:\n%s", tb)
+        if os.environ.get("TOKENLOOM_DEBUG") == "1":  # otherwise the frontend reports it in one line
+            logger.error("engine start-up failed:\n%s", traceback.format_exc())
         out.send(ipc.encode(ipc.StartupFailed(error=f"{type(e).__name__}: {e}")))
         out.close()
         ctx.term()

@@ -1,12 +1,19 @@
-"""`tokenloom serve | generate | chat | bench`: the command line."""
+"""`tokenloom serve | generate | chat | bench`: the command line.
+
+`generate` and `chat` are for a person at a terminal: tokens are printed as they come, and
+nothing else is (no progress bars, no log lines, no periodic engine stats) unless `-v`.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
+import warnings
 
+import tokenloom
 from tokenloom.config import add_engine_args
+from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
 
 # Errors a user can cause (bad path, bad option, bad model file): one line, no traceback.
 USER_ERRORS = (FileNotFoundError, ValueError, RuntimeError, OSError)
@@ -14,10 +21,23 @@ USER_ERRORS = (FileNotFoundError, ValueError, RuntimeError, OSError)
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", "-n", "--n-predict", dest="max_tokens", type=int, default=256,
+                   help="most tokens per reply (default 256)")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-m", "--model", dest="model", default=None,
+                        help="GGUF file, model folder, or the embedded default")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show progress bars and the engine's log lines (on stderr)")
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # the default now
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    add_engine_args(parser, model_positional=False)
+    add_common_args(parser)
+    _sampling_args(parser)
 
 
 def _params(ns):
@@ -26,79 +46,108 @@ def _params(ns):
 
 
 def _llm(ns):
+    """An in-process LLM; quiet unless -v (warnings such as 'max_model_len clamped' included)."""
     from tokenloom.config import EngineConfig
     from tokenloom.entrypoints.llm import LLM
+    check_common_args(ns)
+    template = read_chat_template(ns.chat_template)
+    apply_threads(ns.threads)
+    logging.getLogger().setLevel(logging.INFO if ns.verbose else logging.ERROR)
+    if not ns.verbose:
+        warnings.filterwarnings("ignore")
     config = EngineConfig.from_args(ns)
     kwargs = {"kv_cache_memory": 0.25} if ns.kv_cache_memory is None and ns.num_blocks is None else {}
-    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel), **kwargs}
-    return LLM(progress=not ns.quiet, **flat)
+    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel), **kwargs,
+            "log_stats_interval": config.log_stats_interval if ns.verbose else 0.0}
+    llm = LLM(progress=ns.verbose, **flat)
+    if template is not None:
+        llm.tokenizer.chat_template = template
+    return llm
+
+
+def _chat_prompt_ids(llm, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream(llm, prompt, params, out=sys.stdout, stop=None) -> tuple[str, bool]:
+    """Print the reply's new text as it comes; returns (text, stopped). `stop()` true ends it early."""
+    text, request_id = "", None
+    for o in llm.generate_stream(prompt, params):
+        request_id = o.request_id
+        new = o.outputs[0].text
+        out.write(new[len(text):])
+        out.flush()
+        text = new
+        if stop is not None and stop() and not o.finished:
+            llm.abort(request_id)
+            return text, True
+    return text, False
 
 
 def cmd_generate(ns) -> int:
     llm = _llm(ns)
-    prompt = ns.prompt if ns.raw else None
-    params = _params(ns)
-    if prompt is None:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
-    else:
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-    print(out.outputs[0].text)
+    prompt = ns.prompt if ns.raw else _chat_prompt_ids(llm, [{"role": "user", "content": ns.prompt}])
+    _stream(llm, prompt, _params(ns))
+    print()
     return 0
 
 
 def cmd_chat(ns) -> int:
-    llm = _llm(ns)
-    params = _params(ns)
-    messages: list[dict] = []
-    if ns.system:
-        messages.append({"role": "system", "content": ns.system})
-    print("tokenloom chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line:
-            return 0
-        if line == "/reset":
-            messages = messages[:1] if ns.system else []
-            continue
-        messages.append({"role": "user", "content": line})
-        print("assistant> ", end="", flush=True)
-        text = ""
-        for out in llm.generate_stream(llm.tokenizer.encode(
-                llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False),
-                params):
-            new = out.outputs[0].text
-            print(new[len(text):], end="", flush=True)
-            text = new
-        print()
-        messages.append({"role": "assistant", "content": text})
+    from tokenloom.entrypoints.chat_session import ChatSession
+    return ChatSession(_llm(ns), _params(ns), ns.system).run()
+
+
+def cmd_cache(ns) -> int:
+    """List the weight cache's entries (or empty it with --clear)."""
+    import time
+
+    from tokenloom.model.loader import weight_cache as wc
+    held = wc.entries()
+    if ns.clear:
+        for entry in held:
+            wc.remove(entry)
+        print(f"removed {len(held)} entr{'y' if len(held) == 1 else 'ies'}, "
+              f"{sum(e.bytes for e in held) / 2 ** 20:,.0f} MiB, from {wc.folder()}")
+        return 0
+    state = "" if wc.enabled() else " (disabled: TOKENLOOM_WEIGHT_CACHE=0)"
+    print(f"weight cache {wc.folder()}{state}: {len(held)} entr{'y' if len(held) == 1 else 'ies'}, "
+          f"{sum(e.bytes for e in held) / 2 ** 20:,.0f} MiB of {wc.max_bytes() / 2 ** 20:,.0f} MiB")
+    for e in held:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        print(f"  {e.bytes / 2 ** 20:8,.0f} MiB  {e.dtype:9} last used {used}  {e.source}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage block), like every other error."""
+
+    command: str | None = None  # set on the root: the subcommand whose --help to point to
+
+    def error(self, message: str):
+        from tokenloom.config import ConfigError
+        prog = f"{self.prog} {self.command}" if self.command else self.prog
+        raise ConfigError(f"{message} (see {prog} --help)")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser. Subcommands other than `command` skip their heavy imports (FastAPI, httpx),
     so `tokenloom generate` starts faster; with command=None everything is wired."""
-    parser = argparse.ArgumentParser(prog="tokenloom", description="LLM inference and serving engine")
+    parser = _Parser(prog="tokenloom", description="LLM inference and serving engine")
+    parser.command = command
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", "-V", action="version", version=f"tokenloom {tokenloom.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="complete one prompt and print it")
+    p = sub.add_parser("generate", help="complete one prompt and print it as it is generated")
     p.add_argument("prompt")
-    p.add_argument("--model", dest="model", default=None, help="GGUF file, model folder, or the embedded default")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_engine_args(p, model_positional=False)
-    _sampling_args(p)
+    _model_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat in the terminal")
-    p.add_argument("--model", dest="model", default=None)
+    p = sub.add_parser("chat", help="interactive chat in the terminal (/help lists its commands)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--quiet", action="store_true")
-    add_engine_args(p, model_positional=False)
-    _sampling_args(p)
+    _model_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -110,6 +159,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         except ImportError as exc:  # pragma: no cover - only while the server package is incomplete
             reason = f"serve is unavailable: {exc}"
             p.set_defaults(func=lambda ns: _fail(reason))
+
+    p = sub.add_parser("cache", help="what the weight cache holds (--clear empties it)")
+    p.add_argument("--clear", action="store_true", help="remove every entry")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)")
     if command in (None, "bench"):
@@ -125,11 +178,13 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if not a.startswith("-")), None)
+    command = next((a for a in args if a in ("serve", "generate", "chat", "bench", "cache")), None)
     debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
         ns = build_parser(command).parse_args(args)  # TOKENLOOM_<NAME> defaults are read here
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        if debug:
+            ns.debug = True
         return ns.func(ns) or 0
     except KeyboardInterrupt:
         return 130

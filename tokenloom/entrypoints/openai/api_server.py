@@ -1,8 +1,11 @@
 """`tokenloom serve`: the API server process (uvicorn) plus the EngineCore process.
 
-Start-up: the engine process loads the weights and allocates the KV cache (it prints its
-own progress bars), the tokenizer loads meanwhile, then uvicorn binds and one line says
-where the server is, which model, the KV blocks and how many full-length requests fit.
+Start-up: the options are checked and the port is bound first, so a port in use or a bad
+option fails at once, before the model loads. Then the engine process loads the weights and
+allocates the KV cache (it prints its own progress bars), the tokenizer loads meanwhile,
+uvicorn starts on the bound socket and one line says where the server is, which model, the
+KV blocks and how many full-length requests fit. Every start-up error is one line
+``tokenloom: error: ...`` (``--debug``: with the traceback).
 
 Shutdown (SIGTERM / SIGINT): stop accepting, answer new requests on open connections
 with 503, give in-flight requests ``--shutdown-timeout`` seconds, end the rest with an
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -32,7 +36,6 @@ from typing import Any
 
 import uvicorn
 
-from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
 from tokenloom.executor.headless import run_headless
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
@@ -42,15 +45,50 @@ from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQ
 logger = logging.getLogger("tokenloom.server")
 
 
+def _json_list(raw: str) -> list[str]:
+    """vLLM passes CORS lists as JSON ('["http://a.example"]'); a bare comma-separated list is accepted too."""
+    text = raw.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {raw}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings: {raw}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+_json_list.__name__ = "JSON list"
+
+
+def _json_object(raw: str) -> dict:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {raw}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {raw}")
+    return value
+
+
+_json_object.__name__ = "JSON object"
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags plus the server's; each defaults to TOKENLOOM_<NAME> when set."""
     from tokenloom.config import add_engine_args, env_default
+    from tokenloom.entrypoints.compat import add_common_args
 
     add_engine_args(parser)
+    parser.add_argument("-m", "--model", dest="model_option", default=None,
+                        help="the model, as an option (same as the positional argument)")
     g = parser.add_argument_group("server")
 
-    def opt(name: str, kind, default, help: str, **kw) -> None:
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=env_default(name, default, kind),
+    def opt(name: str, kind, default, help: str, dest_override: str | None = None, **kw) -> None:
+        flags = ["--" + name.replace("_", "-")] + (["-np"] if name == "parallel" else [])
+        g.add_argument(*flags, dest=dest_override or name, type=kind,
+                       default=argparse.SUPPRESS if dest_override else env_default(name, default, kind),
                        help=help + (f" (default {default})" if default is not None else ""), **kw)
 
     def flag(name: str, help: str) -> None:
@@ -59,7 +97,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     opt("host", str, "127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     opt("port", int, 8000, "port to listen on (0: any free port)")
-    opt("served_model_name", str, None, "model name clients send and see (default: the model argument)")
+    g.add_argument("--served-model-name", "-a", "--alias", dest="served_model_name", nargs="+",
+                   default=_env_names(env_default("served_model_name", None, str)),
+                   help="model name(s) clients send and see; the first is the one reported and used as the "
+                        "metrics' model_name, the others are aliases (default: the model argument)")
     opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     flag("protect_metrics", "require the API key on /metrics too")
     opt("shutdown_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
@@ -78,7 +119,56 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("request_timeout", float, 0.0, "end a request (504 request_timeout) that waited and ran longer than this "
         "many seconds; a request's own 'timeout' field can only lower it (0: none)")
     opt("engine_startup_timeout", float, None, "give up if the engine is not ready within this many seconds")
+    opt("metrics_prefix", str, "tokenloom", "prefix of the /metrics names; 'vllm' makes vLLM's Grafana dashboards "
+        "work unchanged")
+    opt("parallel", int, None, "llama.cpp's name of --max-num-seqs", dest_override="max_num_seqs")
+
+    c = parser.add_argument_group("CORS (as vLLM)")
+    c.add_argument("--allowed-origins", type=_json_list,
+                   default=env_default("allowed_origins", ["*"], _json_list),
+                   help='allowed origins, JSON list (default ["*"])')
+    c.add_argument("--allowed-methods", type=_json_list,
+                   default=env_default("allowed_methods", ["*"], _json_list),
+                   help='allowed methods, JSON list (default ["*"])')
+    c.add_argument("--allowed-headers", type=_json_list,
+                   default=env_default("allowed_headers", ["*"], _json_list),
+                   help='allowed headers, JSON list (default ["*"])')
+    c.add_argument("--allow-credentials", action="store_true", default=env_default("allow_credentials", False, bool),
+                   help="allow credentials (cookies, Authorization) in cross-origin requests (default off)")
+
+    v = parser.add_argument_group("vLLM server flags")
+    v.add_argument("--response-role", default="assistant",
+                   help="role of the generated message; only 'assistant' is supported")
+    v.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                   help='accepted: tool_choice "auto" is always on, parsed with --tool-call-parser')
+    v.add_argument("--generation-config", default=env_default("generation_config", "auto", str),
+                   help="sampling defaults: 'auto' (the model folder's generation_config.json), 'vllm' (none), "
+                        "or a folder holding a generation_config.json")
+    v.add_argument("--override-generation-config", type=_json_object, default=None,
+                   help='JSON object of sampling defaults over the generation config, e.g. \'{"temperature": 0.5}\'')
+    v.add_argument("--uvicorn-log-level", default=None,
+                   choices=["debug", "info", "warning", "error", "critical", "trace"],
+                   help="log level of uvicorn only (default: --log-level)")
+    v.add_argument("--disable-log-requests", dest="log_requests", action="store_const", const="off",
+                   default=argparse.SUPPRESS, help="no request log lines (the default; see --log-requests)")
+    v.add_argument("--enable-log-requests", dest="log_requests", action="store_const", const="lifecycle",
+                   default=argparse.SUPPRESS,
+                   help="one log line per request received and finished (= --log-requests lifecycle)")
+    v.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                   default=argparse.SUPPRESS, help="no access log (the default; see --access-log)")
+    v.add_argument("--ssl-keyfile", default=env_default("ssl_keyfile", None, str), help="serve HTTPS with this key")
+    v.add_argument("--ssl-certfile", default=env_default("ssl_certfile", None, str),
+                   help="serve HTTPS with this certificate")
+    v.add_argument("--root-path", default=env_default("root_path", "", str),
+                   help="path prefix when the server sits behind a path-based proxy")
+    add_common_args(parser)
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks of start-up errors")
     return parser
+
+
+def _env_names(raw: str | None) -> list[str] | None:
+    return raw.replace(",", " ").split() if raw else None
 
 
 class _Server(uvicorn.Server):
@@ -124,9 +214,12 @@ class _Server(uvicorn.Server):
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """Listen before the model loads, so a port in use fails at once. TCP_NODELAY is set here and
+    inherited by every accepted connection: streamed tokens are small writes that Nagle would delay."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -182,35 +275,101 @@ async def _restart_engine(server: _Server, engine: AsyncLLM, args: argparse.Name
     server.should_exit = True
 
 
-async def serve(args: argparse.Namespace) -> int:
+class StartupError(RuntimeError):
+    """A start-up failure already phrased for the user (one line)."""
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise StartupError(f"--device {device}: no CUDA device is available (use --device cpu)")
+
+
+def prepare(args: argparse.Namespace):
+    """Everything that can fail fast, before the model loads: options, model path, device, port.
+    Returns (config, served model names, settings, socket)."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.entrypoints.compat import apply_threads, check_common_args, read_chat_template
+    from tokenloom.model.loader.resolve import resolve_model_path
+
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            raise StartupError(f"two models given: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
+    check_common_args(args)
+    if args.response_role != "assistant":
+        raise StartupError(f"--response-role {args.response_role}: only 'assistant' is supported")
+    names = list(args.served_model_name or [])
+    args.served_model_name = names[0] if names else None
     config = EngineConfig.from_args(args)
-    served = args.served_model_name or config.model.served_model_name or config.model.model
+    names = names or [config.model.served_model_name or config.model.model]
+    args.chat_template_text = read_chat_template(args.chat_template)
+    if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(args.generation_config, "generation_config.json")):
+        raise StartupError(f"--generation-config {args.generation_config}: no generation_config.json there")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            raise StartupError(f"--{flag.replace('_', '-')} {path}: no such file")
+    resolve_model_path(config.model.model)  # raises FileNotFoundError naming the path
+    _check_device(config.model.device)
+    if config.parallel.node_rank > 0:  # workers only: node 0 runs the engine and the API
+        return config, names, None, None
+    apply_threads(args.threads)
+    os.environ["TOKENLOOM_METRICS_PREFIX"] = args.metrics_prefix
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                              protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
+                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    return config, names, settings, sock
+
+
+def _apply_generation_config(engine: AsyncLLM, args: argparse.Namespace) -> None:
+    from tokenloom.engine.async_llm import load_generation_defaults
+    if args.generation_config == "vllm":
+        engine.generation_defaults = {}
+    elif args.generation_config != "auto":
+        engine.generation_defaults = load_generation_defaults(args.generation_config)
+    if args.override_generation_config:
+        override = dict(args.override_generation_config)
+        if "max_new_tokens" in override:  # the generation_config.json spelling
+            override["max_tokens"] = override.pop("max_new_tokens")
+        engine.generation_defaults.update(override)
+    if args.chat_template_text is not None:
+        engine.tokenizer.chat_template = args.chat_template_text
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config, names, settings, sock = prepare(args)
+    if sock is None:
+        return run_headless(config)
     print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    engine = AsyncLLM(config, served_model_name=served, heartbeat_timeout=args.engine_heartbeat_timeout,
+    engine = AsyncLLM(config, served_model_name=names[0], heartbeat_timeout=args.engine_heartbeat_timeout,
                       log_requests=args.log_requests, step_timeout=args.engine_step_timeout)
     try:
         await engine.start(startup_timeout=args.engine_startup_timeout)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
-        print(f"tokenloom: the engine failed to start: {e}", file=sys.stderr, flush=True)
         engine.client.shutdown()
-        return 1
+        sock.close()
+        raise StartupError(f"the engine failed to start: {e}") from e
     print(f"tokenloom: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    _apply_generation_config(engine, args)
 
     state = ServerState(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout)
-    settings = ServerSettings(served_model_names=[served], api_key=args.api_key,
-                              protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes)
     app = build_app(engine, settings, state)
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        print(f"tokenloom: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr, flush=True)
-        engine.shutdown()
-        return 1
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
-    uv_config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log,
-                               timeout_graceful_shutdown=5, lifespan="off", timeout_keep_alive=5)
+    scheme = "https" if args.ssl_certfile else "http"
+    uv_config = uvicorn.Config(app, log_level=(args.uvicorn_log_level or args.log_level).lower(),
+                               access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="off",
+                               timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                               root_path=args.root_path)
     server = _Server(uv_config, engine, state, args.shutdown_timeout)
     server.loop = asyncio.get_running_loop()
     engine.on_engine_dead = lambda reason: _handle_engine_death(server, engine, args, reason)
@@ -221,7 +380,7 @@ async def serve(args: argparse.Namespace) -> int:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.02)
         if server.started:
-            print(ready_line(f"http://{shown_host}:{port}", engine), flush=True)
+            print(ready_line(f"{scheme}://{shown_host}:{port}", engine), flush=True)
 
     announcer = asyncio.ensure_future(announce())
     try:
@@ -235,16 +394,24 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Errors of start-up become one `tokenloom: error: ...` line; --debug (or TOKENLOOM_DEBUG=1) shows
+    the traceback, the engine process's included."""
+    debug = getattr(args, "debug", False) or os.environ.get("TOKENLOOM_DEBUG") == "1"
+    if debug:
+        os.environ["TOKENLOOM_DEBUG"] = "1"
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # also when the CLI configured logging first
     if args.log_requests != "off":  # request lines are INFO: keep them visible at any --log-level
         logging.getLogger("tokenloom.requests").setLevel(logging.INFO)
     os.environ["TOKENLOOM_LOG_LEVEL"] = logging.getLevelName(level)  # for the engine process
-    config = EngineConfig.from_args(args)
-    if config.parallel.node_rank > 0:  # workers only: node 0 runs the engine and the API
-        return run_headless(config)
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except (StartupError, ValueError, OSError) as e:  # ConfigError is a ValueError
+        if debug:
+            raise
+        print(f"tokenloom: error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
-"""The FastAPI application: routes, auth, body limits, error shapes.
+"""The FastAPI application: routes, auth, body limits, CORS, error shapes.
 
 `build_app(engine, settings)` wires an already started `AsyncLLM` into a new app; the
-server process (api_server.py) runs it under uvicorn.
+server process (api_server.py) runs it under uvicorn. /docs and /redoc load their
+JavaScript and CSS from the fastapi-offline package, so they work without internet.
 """
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
+from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
@@ -34,6 +38,11 @@ class ServerSettings:
     protect_metrics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     system_fingerprint: str | None = None
+    # CORS, with vLLM's defaults: any origin, method and header; no credentials.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 class ApiKeyMiddleware:
@@ -76,8 +85,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     tokenization = OpenAIServingTokenization(engine, names, state, fingerprint)
     created = int(time.time())
 
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__,
-                  description="OpenAI-compatible API of the tokenloom inference engine.")
+    app = FastAPIOffline(title="tokenloom", version=tokenloom.__version__,
+                         description="OpenAI-compatible API of the tokenloom inference engine.")
     app.state.engine = engine
     app.state.server_state = state
     install_error_handlers(app)
@@ -85,6 +94,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.add_middleware(AdmissionMiddleware, state=state)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
+    if engine.metrics is not None:  # http_requests_total, http_request_duration_seconds, ... as vLLM exposes
+        Instrumentator(registry=engine.metrics.registry, excluded_handlers=["/metrics"]).instrument(app)
+    # Added last, so outermost: preflights are answered and every response (401s too) carries the headers.
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenloom",

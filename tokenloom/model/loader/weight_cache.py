@@ -1,14 +1,19 @@
 """On-disk cache of a GGUF model's dequantized weights, so a warm start skips parsing and dequantizing.
 
-Entries live in `$TOKENLOOM_CACHE_DIR/weights` (default `~/.cache/tokenloom/weights`), keyed by the
-file's absolute path, size, mtime and the runtime dtype; `TOKENLOOM_WEIGHT_CACHE=0` turns it off.
+Entries live in `$TOKENLOOM_CACHE_DIR/weights` (default `~/.cache/tokenloom/weights`);
+`TOKENLOOM_WEIGHT_CACHE=0` turns it off. An entry is keyed by the file's content (its size and a
+sample of its bytes) and the runtime dtype, not by its path or time, so a reinstalled or moved copy
+of the same model reuses it. The folder is bounded: after each store the least recently used
+entries go until the total is under `TOKENLOOM_WEIGHT_CACHE_MAX_GB` (default 2 GiB; the newest
+entry always stays). `tokenloom cache` lists what it holds; `tokenloom cache --clear` empties it.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -16,21 +21,55 @@ import torch
 
 from tokenloom.model.arch_config import ArchConfig
 
-_FORMAT = 1
+_FORMAT = 2
+_SAMPLES = 16  # blocks read across the file for its fingerprint
+_SAMPLE_BYTES = 64 * 1024
+DEFAULT_MAX_GB = 2.0
 
 
 def enabled() -> bool:
     return os.environ.get("TOKENLOOM_WEIGHT_CACHE", "1") != "0"
 
 
-def _folder() -> Path:
+def folder() -> Path:
     return Path(os.environ.get("TOKENLOOM_CACHE_DIR") or Path.home() / ".cache" / "tokenloom") / "weights"
 
 
+def max_bytes() -> int:
+    raw = os.environ.get("TOKENLOOM_WEIGHT_CACHE_MAX_GB")
+    try:
+        gb = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        from tokenloom.config import ConfigError
+        raise ConfigError(f"TOKENLOOM_WEIGHT_CACHE_MAX_GB={raw!r} is not a number") from None
+    return int(gb * 2 ** 30)
+
+
+def fingerprint(path: str) -> str:
+    """Size plus evenly spaced blocks (the first and last included): cheap, and the same for any copy."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(_SAMPLES):
+            f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1)))
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def entry_stem(path: str, dtype: torch.dtype) -> Path:
-    st = os.stat(path)
-    raw = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{_FORMAT}"
-    return _folder() / hashlib.sha256(raw.encode()).hexdigest()[:32]
+    raw = f"{fingerprint(path)}|{dtype}|{_FORMAT}"
+    return folder() / hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Entry:
+    """One cached model, as `tokenloom cache` reports it."""
+
+    stem: Path
+    source: str
+    dtype: str
+    bytes: int
+    last_used: float
 
 
 class CachedWeights:
@@ -39,7 +78,8 @@ class CachedWeights:
     def __init__(self, stem: Path):
         self.stem = stem
         with open(f"{stem}.json") as f:
-            self.arch_config = ArchConfig(**json.load(f))
+            meta = json.load(f)
+        self.arch_config = ArchConfig(**meta["arch"])
         from safetensors import safe_open
         with safe_open(f"{stem}.safetensors", framework="pt") as f:
             self.num_tensors = len(f.keys())
@@ -51,9 +91,11 @@ class CachedWeights:
         stem = entry_stem(path, dtype)
         if os.path.isfile(f"{stem}.json") and os.path.isfile(f"{stem}.safetensors"):
             try:
-                return CachedWeights(stem)
-            except (OSError, ValueError, TypeError):
+                hit = CachedWeights(stem)
+            except (OSError, ValueError, TypeError, KeyError):
                 return None
+            _touch(stem)
+            return hit
         return None
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,8 +105,16 @@ class CachedWeights:
                 yield name, f.get_tensor(name)
 
 
+def _touch(stem: Path) -> None:
+    try:
+        os.utime(f"{stem}.json")
+    except OSError:
+        pass
+
+
 def store(path: str, dtype: torch.dtype, arch: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Write an entry atomically; a failure (read-only home, full disk) only costs the next start time."""
+    """Write an entry atomically, then trim the folder to its bound; a failure (read-only home, full
+    disk) only costs the next start time."""
     if not enabled():
         return
     from safetensors.torch import save_file
@@ -75,7 +125,59 @@ def store(path: str, dtype: torch.dtype, arch: ArchConfig, tensors: dict[str, to
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         os.replace(tmp, f"{stem}.safetensors")
         with open(f"{tmp}.json", "w") as f:
-            json.dump(dataclasses.asdict(arch), f)
+            json.dump({"arch": asdict(arch), "source": os.path.abspath(path), "dtype": str(dtype).replace(
+                "torch.", "")}, f)
         os.replace(f"{tmp}.json", f"{stem}.json")
+        trim(keep=stem)
     except OSError:
         pass
+
+
+def entries() -> list[Entry]:
+    """Every entry in the folder, most recently used first (entries of older formats included)."""
+    out = []
+    for tensors in folder().glob("*.safetensors"):
+        stem = tensors.with_suffix("")
+        meta_path = Path(f"{stem}.json")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            used = meta_path.stat().st_mtime
+        except (OSError, ValueError):
+            meta, used = {}, tensors.stat().st_mtime
+        size = tensors.stat().st_size + (meta_path.stat().st_size if meta_path.exists() else 0)
+        out.append(Entry(stem, meta.get("source", "?") if isinstance(meta, dict) else "?",
+                         meta.get("dtype", "?") if isinstance(meta, dict) else "?", size, used))
+    return sorted(out, key=lambda e: e.last_used, reverse=True)
+
+
+def remove(entry: Entry) -> None:
+    for suffix in (".safetensors", ".json"):
+        try:
+            os.unlink(f"{entry.stem}{suffix}")
+        except FileNotFoundError:
+            pass
+
+
+def trim(keep: Path | None = None, limit: int | None = None) -> list[Entry]:
+    """Remove least recently used entries until the folder fits `limit` bytes; returns those removed.
+    Leftover temporary files of interrupted stores older than an hour go too."""
+    limit = max_bytes() if limit is None else limit
+    for tmp in folder().glob("*.tmp*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > 3600:
+                tmp.unlink()
+        except OSError:
+            pass
+    removed = []
+    current = entries()
+    total = sum(e.bytes for e in current)
+    for entry in reversed(current):  # oldest first
+        if total <= limit:
+            break
+        if keep is not None and entry.stem == keep:
+            continue
+        remove(entry)
+        removed.append(entry)
+        total -= entry.bytes
+    return removed

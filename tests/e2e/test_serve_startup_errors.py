@@ -1,0 +1,102 @@
+"""`tokenloom serve` fails fast and in one line: the port is bound and the options checked before the
+model loads; every start-up error is one `tokenloom: error: ...` line naming the cause, and `--debug`
+shows the traceback instead."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tokenloom.entrypoints.openai.api_server import _bind
+
+SERVE = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", "--port", "0", "--num-blocks", "64",
+         "--max-model-len", "512"]
+
+
+def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TOKENLOOM_DEBUG", None)
+    return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *mentions: str) -> None:
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("tokenloom: starting the engine")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tokenloom: error:"), lines[0]
+    assert "Traceback" not in proc.stderr
+    for text in mentions:
+        assert text in lines[0], lines[0]
+
+
+@pytest.fixture
+def corrupt_gguf(tmp_path):
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    return str(path)
+
+
+def test_port_in_use_fails_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = run_serve("--port", str(port))
+        elapsed = time.monotonic() - start
+    assert_one_line_error(proc, f"127.0.0.1:{port}", "in use")
+    assert "starting the engine" not in proc.stderr
+    assert elapsed < 10, elapsed
+
+
+def test_corrupt_gguf_fails_in_one_line(corrupt_gguf):
+    assert_one_line_error(run_serve(corrupt_gguf), corrupt_gguf, "GGUF")
+
+
+def test_missing_model_path_fails_in_one_line():
+    assert_one_line_error(run_serve("/nonexistent/model.gguf"), "/nonexistent/model.gguf")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_a_gpu_fails_in_one_line():
+    assert_one_line_error(run_serve("--device", "cuda"), "--device cuda", "no CUDA device")
+
+
+def test_unsupported_vllm_flag_fails_in_one_line_naming_it():
+    assert_one_line_error(run_serve("--lora-modules", "a=/x"), "--lora-modules", "LoRA is not supported")
+
+
+def test_unknown_flag_fails_in_one_line_pointing_to_help():
+    assert_one_line_error(run_serve("--no-such-flag"), "--no-such-flag", "tokenloom serve --help")
+
+
+def test_bad_option_value_fails_in_one_line():
+    assert_one_line_error(run_serve("--kv-cache-dtype", "int3"), "kv_cache_dtype", "int3")
+
+
+def test_debug_shows_the_traceback(corrupt_gguf):
+    proc = run_serve(corrupt_gguf, "--debug")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
+
+
+def test_bound_socket_sets_tcp_nodelay_for_accepted_connections():
+    """Streamed tokens are small writes; Nagle's algorithm would hold them back."""
+    listener = _bind("127.0.0.1", 0)
+    try:
+        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        client = socket.create_connection(listener.getsockname()[:2])
+        conn, _ = listener.accept()
+        try:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        finally:
+            conn.close()
+            client.close()
+    finally:
+        listener.close()
