@@ -1,7 +1,9 @@
 """The real server on the embedded model, driven by the official openai client and httpx.
 
-One server for the module (API key on, small body limit); every endpoint, streaming vs
+One server at a time (API key on, small body limit); every endpoint, streaming vs
 non-streaming equality, usage, every error class, metrics counters, disconnect aborts.
+Every test runs twice: on one rank, and with the model split over three worker processes
+(`-tp 3`), which must answer the same way.
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ BODY_LIMIT = 200_000
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=[pytest.param(1, id="tp1"), pytest.param(3, id="tp3", marks=pytest.mark.tp)])
+def server(request):
     srv = ServerProcess("--api-key", API_KEY, "--max-request-body-bytes", str(BODY_LIMIT),
-                        "--log-requests", "stages")
+                        "--log-requests", "stages", "--tensor-parallel-size", str(request.param))
     try:
         yield srv
     finally:

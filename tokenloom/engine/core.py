@@ -30,7 +30,6 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        logger.info(self.info.summary)
         self.max_model_len = self.info.max_model_len
         self.kv_manager = KVCacheManager(self.info.num_blocks, self.info.block_size,
                                          config.cache.enable_prefix_caching)

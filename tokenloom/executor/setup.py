@@ -135,7 +135,8 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
-    logger.info(setup.summary())
+    if tp_group().is_first:
+        logger.info(setup.summary())
     return setup
 
 
