@@ -131,12 +131,55 @@ def test_a_later_request_with_a_lower_priority_value_is_served_before_an_earlier
     rec = Recorder(core)
     prompts = prompts_of([3, 3, 3], seed=7)
     core.add_request(make_request("first", prompts[0], greedy_params(3), priority=5, arrival_time=1.0))
-    core.step()  # "first" is running now; later arrivals with a better priority wait for its slot
+    core.step()  # "first" is running now; a later arrival with a better priority takes its slot
     core.add_request(make_request("late_low", prompts[1], greedy_params(2), priority=9, arrival_time=2.0))
     core.add_request(make_request("late_high", prompts[2], greedy_params(2), priority=-1, arrival_time=3.0))
     run_to_completion(core)
     order = list(dict.fromkeys(r for step in rec.steps for r, _, _ in step))
     assert order == ["first", "late_high", "late_low"]
+
+
+def test_a_waiting_request_of_strictly_higher_priority_preempts_the_lowest_running_one(make_core, reference):
+    core = make_core(max_num_seqs=2)
+    rec = Recorder(core)
+    low, mid, urgent = prompts_of([6, 7, 5], seed=8)
+    core.add_request(make_request("low", low, greedy_params(12), priority=5))
+    core.add_request(make_request("mid", mid, greedy_params(12), priority=3))
+    core.step()
+    core.step()
+    core.add_request(make_request("urgent", urgent, greedy_params(12), priority=0))
+    core.step()
+    assert sorted(r for r, _, _ in rec.steps[-1]) == ["mid", "urgent"]  # "low" gave up its slot
+    assert core.stats()["num_preemptions"] == 1
+    out = run_to_completion(core)
+    assert out[("low", 0)] == reference(low, 12)[2:]  # recomputed, same tokens as alone
+    assert out[("urgent", 0)] == reference(urgent, 12)[1:]
+
+
+def test_a_request_of_higher_priority_preempts_when_kv_blocks_run_out(make_core, reference):
+    core = make_core(num_blocks=8, block_size=4, max_num_seqs=8)
+    low, urgent = prompts_of([20, 10], seed=9)
+    core.add_request(make_request("low", low, greedy_params(8), priority=5))
+    core.step()  # "low" holds 6 of the 8 blocks
+    core.add_request(make_request("urgent", urgent, greedy_params(8), priority=0))
+    core.step()
+    assert core.scheduler.requests["low"].status.value == "preempted"
+    assert core.stats()["num_preemptions"] == 1
+    out = run_to_completion(core)
+    assert out[("urgent", 0)] == reference(urgent, 8)[1:]
+    assert out[("low", 0)] == reference(low, 8)[1:]
+
+
+def test_equal_priorities_never_preempt_each_other(make_core):
+    core = make_core(max_num_seqs=1)
+    rec = Recorder(core)
+    a, b = prompts_of([4, 4], seed=10)
+    core.add_request(make_request("a", a, greedy_params(6), priority=1))
+    core.step()
+    core.add_request(make_request("b", b, greedy_params(6), priority=1))
+    run_to_completion(core)
+    assert core.stats()["num_preemptions"] == 0
+    assert [r for step in rec.steps for r, _, _ in step] == ["a"] * 6 + ["b"] * 6
 
 
 # ---- abort -------------------------------------------------------------------------------------

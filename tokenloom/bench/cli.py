@@ -31,6 +31,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         return run_throughput(ns)
     p.set_defaults(func=run)
 
+    from tokenloom.bench.collectives import add_collectives_args
+    add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "
+                                                           "alpha-beta fit for the tensor-parallel cost model"))
+
     try:
         from tokenloom.bench.serve import add_serve_bench_args
         add_serve_bench_args(sub.add_parser("serve", help="load test of an OpenAI-compatible server"))

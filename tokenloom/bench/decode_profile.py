@@ -48,5 +48,8 @@ def profile_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     for _ in llm._run():
         pass
     step = sorted(times)[len(times) // 2]
-    mm = matmul_seconds(engine.executor.worker.runner.model, batch)
+    worker = getattr(engine.executor, "worker", None)  # the model is in this process (uni executor) only
+    if worker is None:
+        return {"batch": batch, "step_ms": step * 1e3}
+    mm = matmul_seconds(worker.runner.model, batch)
     return {"batch": batch, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "ratio": step / mm}

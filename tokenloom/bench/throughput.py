@@ -19,7 +19,7 @@ def run_throughput(ns) -> int:
     from tokenloom.sampling_params import SamplingParams
 
     config = EngineConfig.from_args(ns)
-    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler)}
+    flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel)}
     llm = LLM(**flat)
     prompts = _random_prompts(ns.num_prompts, ns.input_len, llm.engine.info.vocab_size, ns.bench_seed)
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
@@ -48,8 +48,11 @@ def run_throughput(ns) -> int:
         from tokenloom.bench.decode_profile import profile_decode
         results["decode_profile"] = profile_decode(llm, ns.decode_profile, ns.input_len)
         d = results["decode_profile"]
-        print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms; model matmuls alone {d['matmul_ms']:.1f} ms "
-              f"(ratio {d['ratio']:.2f})")
+        if "matmul_ms" in d:
+            print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms; model matmuls alone "
+                  f"{d['matmul_ms']:.1f} ms (ratio {d['ratio']:.2f})")
+        else:
+            print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms")
     if ns.compare_transformers:
         from tokenloom.bench.hf_baseline import run_transformers
         import torch
@@ -60,6 +63,7 @@ def run_throughput(ns) -> int:
         print(f"transformers: {hf['output_tokens_per_s']:.1f} output tokens/s "
               f"(batch {ns.transformers_batch}, {hf['dtype']}); "
               f"tokenloom is {results['speedup_vs_transformers']:.2f}x")
+    llm.shutdown()
     if ns.json_path:
         with open(ns.json_path, "w") as f:
             json.dump(results, f, indent=2)

@@ -126,6 +126,12 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
                           f"({arch.max_position_embeddings})")
+    window = arch.sliding_window
+    if window and window < max_len:
+        logger.warning("max_model_len clamped from %d to %d: the model attends over a sliding window of %d "
+                       "tokens, which tokenloom does not implement yet; within the window its attention is exact",
+                       max_len, window, window)
+        max_len = window
     capacity = num_blocks * block_size
     if max_len > capacity:
         logger.warning("max_model_len clamped from %d to %d: the KV cache holds only %d tokens "

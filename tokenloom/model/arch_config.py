@@ -37,6 +37,8 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Tokens each position attends back over, when the model limits it (Mistral's sliding_window); None: all.
+    sliding_window: int | None = None
 
     def check_tensor_parallel(self, size: int) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
@@ -77,6 +79,7 @@ class ArchConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            sliding_window=_sliding_window(cfg),
         )
 
     @classmethod
@@ -115,7 +118,15 @@ class ArchConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
+            sliding_window=get("attention.sliding_window"),
         )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window the model attends over, if it uses one (Qwen2 configs name one they switch off)."""
+    if cfg.get("use_sliding_window") is False:
+        return None
+    return cfg.get("sliding_window") or None
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

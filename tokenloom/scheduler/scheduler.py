@@ -96,14 +96,24 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and not preempted:
             idx = self._pick_waiting()
             req = self.waiting[idx]
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._preempt_for_priority(req, scheduled)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached_tokens = len(cached) * self.kv.block_size
             n = self._chunk(req, req.num_tokens - num_cached_tokens, budget)
             if not self.kv.allocate(req, n, cached):
-                break
+                freed = self._preempt_for_priority(req, scheduled)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             self.waiting.pop(idx)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached_tokens
@@ -140,6 +150,21 @@ class Scheduler:
                     replace_block_ids=req.resend_blocks))
             req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
         return out
+
+    def _preempt_for_priority(self, req: Request, scheduled: list[tuple[Request, int]]) -> int | None:
+        """Make room for a waiting request by preempting the lowest-priority running one, if that one has a
+        strictly lower priority (equal priorities never preempt each other, so nobody starves among equals).
+        Returns the step tokens given back (the victim's, if it was scheduled this step), or None."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=Request.sort_key)
+        if victim.priority <= req.priority:
+            return None
+        done = next((item for item in scheduled if item[0] is victim), None)
+        if done is not None:
+            scheduled.remove(done)
+        self._preempt(victim)
+        return done[1] if done is not None else 0
 
     def _chunk(self, req: Request, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
