@@ -1,4 +1,4 @@
-"""`tokenloom bench throughput|serve` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|collectives` argument wiring."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         from tokenloom.bench.throughput import run_throughput
         return run_throughput(ns)
     p.set_defaults(func=run)
+
+    from tokenloom.bench.decode_step import add_decode_args
+    add_decode_args(sub.add_parser("decode", help="time of one decode step at given batch sizes (any model, any "
+                                                  "--tensor-parallel-size; no tokenizer needed)"))
 
     from tokenloom.bench.collectives import add_collectives_args
     add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "

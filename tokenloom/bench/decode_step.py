@@ -1,0 +1,60 @@
+"""`tokenloom bench decode`: the time of one decode step at given batch sizes, on any model and any
+tensor-parallel size (the EngineCore alone: token ids in, no tokenizer needed).
+
+Each batch size fills the engine with that many random prompts, runs their prefill, then times pure
+decode steps and reports the median. This is the figure the tensor-parallel cost model predicts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tokenloom.config import EngineConfig, add_engine_args
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", dest="model", default=None)
+    p.add_argument("--batch-sizes", default="1,32", help="comma-separated decode batch sizes (default 1,32)")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence (default 256)")
+    p.add_argument("--steps", type=int, default=12, help="decode steps timed per batch size (median reported)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this file")
+    add_engine_args(p, model_positional=False)
+    p.set_defaults(func=run_decode)
+
+
+def run_decode(ns) -> int:
+    from tokenloom.engine.core import EngineCore
+    from tokenloom.engine.messages import EngineCoreRequest
+    from tokenloom.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(ns)
+    core = EngineCore(config)
+    results = {"tensor_parallel_size": config.parallel.tensor_parallel_size, "context": ns.context, "step_ms": {}}
+    try:
+        for batch in (int(b) for b in ns.batch_sizes.split(",")):
+            params = SamplingParams(temperature=0.0, max_tokens=ns.steps + 2, ignore_eos=True)
+            prompts = torch.randint(100, core.info.vocab_size - 100, (batch, ns.context)).tolist()
+            for i, prompt in enumerate(prompts):
+                core.add_request(EngineCoreRequest(request_id=f"b{batch}-{i}", prompt_token_ids=prompt,
+                                                   sampling_params=params, arrival_time=time.time()))
+            while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+                core.step()
+            times = []
+            for _ in range(ns.steps):
+                start = time.perf_counter()
+                core.step()
+                times.append(time.perf_counter() - start)
+            while core.has_unfinished_requests():
+                core.step()
+            results["step_ms"][batch] = 1e3 * sorted(times)[len(times) // 2]
+            print(f"decode step at batch {batch}, context {ns.context}, tp {config.parallel.tensor_parallel_size}: "
+                  f"{results['step_ms'][batch]:.1f} ms", flush=True)
+    finally:
+        core.shutdown()
+    if ns.json_path:
+        with open(ns.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
