@@ -35,7 +35,11 @@ logger = logging.getLogger("tokenloom.engine")
 
 
 def threads_per_rank(local_ranks: int) -> int:
-    """Cores this machine gives each of its ranks, so ranks do not oversubscribe the cores."""
+    """Threads each of this machine's ranks computes with: --threads (OMP_NUM_THREADS) when set, else the
+    cores shared out among the ranks, so they do not oversubscribe them."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
 
 
