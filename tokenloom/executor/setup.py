@@ -90,7 +90,10 @@ def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, 
         peak = torch.cuda.max_memory_allocated(device)
         budget = total * cache.gpu_memory_utilization - used_by_others - peak
         return max(int(budget // per_block), 2)
-    return max(int(cache.kv_cache_memory * 2 ** 30 // per_block), 2)
+    # The CPU budget is the machine's: its ranks share it (each stores 1/p of the KV heads, so the token
+    # capacity is the same as one rank's with the whole budget).
+    share = cache.kv_cache_memory / config.parallel.ranks_per_node
+    return max(int(share * 2 ** 30 // per_block), 2)
 
 
 def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
