@@ -25,7 +25,7 @@ API_KEY = "ui-test-key"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(os.environ.get("TOKENLOOM_UI_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"))
 # Model text that would run script if it were ever rendered as HTML (no quotes: JSON would escape them).
-PAYLOAD = "<script>window.__pwned=1</script><img src=x onerror=window.__pwned=2>"
+PAYLOAD = "<script>window.pw=1</script><img src=x onerror=window.pw=2>"
 
 
 def auth() -> dict[str, str]:
@@ -117,16 +117,6 @@ def test_page_and_assets_load_without_the_key_and_say_a_key_is_needed(server):
     assert server.get("/ui/static/vendor/purify.min.js").status_code == 200
 
 
-def test_no_ui_turns_the_page_off():
-    srv = ServerProcess("--no-ui")
-    try:
-        assert srv.get("/").status_code == 404
-        assert srv.get("/ui/api/status").status_code == 404
-        assert srv.get("/v1/models").status_code == 200
-    finally:
-        assert srv.terminate() == 0, srv.log_text()
-
-
 # ------------------------------------------------------------------ in the browser
 
 @pytest.mark.ui
@@ -163,7 +153,7 @@ def test_the_key_goes_only_to_this_server(page, server):
 
 @pytest.mark.ui
 def test_chat_streams_text(page):
-    chat(page, "Name three colours.", max_tokens=16)
+    chat(page, "Name three colours.", max_tokens=8)
     seen: list[str] = []
     deadline = time.time() + 90
     while time.time() < deadline and page.locator("#chat-send:disabled").count():
@@ -179,7 +169,7 @@ def test_chat_streams_text(page):
 @pytest.mark.ui
 def test_engine_view_shows_the_running_request_and_counters_move(page):
     before = int(text(page, "#m-gtotal").split()[0])
-    chat(page, "Count from one to twenty.", max_tokens=24)
+    chat(page, "Count from one to twenty.", max_tokens=12)
     page.click("#tab-engine")
     row = page.locator("#requests tbody tr").filter(has_text=re.compile(r"^chatcmpl-"))
     row.first.wait_for(timeout=30_000)
@@ -211,18 +201,18 @@ def test_model_text_with_script_is_shown_as_text(page):
     page.click("#tab-chat")
     page.select_option("#p-format", "json_schema")
     page.fill("#p-schema", json.dumps({"type": "string", "enum": [PAYLOAD]}))
-    chat(page, "Say something.", max_tokens=64)
+    chat(page, "Say something.", max_tokens=40)
     wait_chat_done(page)
     shown = text(page, "#chat-log .msg.assistant .content")
     assert PAYLOAD in shown, shown
     assert page.locator("#chat-log script, #chat-log img").count() == 0
-    assert page.evaluate("() => window.__pwned") is None
+    assert page.evaluate("() => window.pw") is None
 
 
 @pytest.mark.ui
 def test_completions_show_each_token_logprob_on_hover(page):
     page.click("#tab-completions")
-    page.fill("#cp-max_tokens", "6")
+    page.fill("#cp-max_tokens", "4")
     page.fill("#cp-temperature", "0")
     page.click("#comp-send")
     page.locator("#comp-send:enabled").wait_for(timeout=60_000)
