@@ -25,7 +25,7 @@ API_KEY = "ui-test-key"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(os.environ.get("TOKENLOOM_UI_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"))
 # Model text that would run script if it were ever rendered as HTML (no quotes: JSON would escape them).
-PAYLOAD = "<script>window.pw=1</script><img src=x onerror=window.pw=2>"
+PAYLOAD = "<script>pw=1</script><img src=x onerror=pw=2>"
 
 
 def auth() -> dict[str, str]:
@@ -201,7 +201,7 @@ def test_model_text_with_script_is_shown_as_text(page):
     page.click("#tab-chat")
     page.select_option("#p-format", "json_schema")
     page.fill("#p-schema", json.dumps({"type": "string", "enum": [PAYLOAD]}))
-    chat(page, "Say something.", max_tokens=40)
+    chat(page, "Say something.", max_tokens=64)
     wait_chat_done(page)
     shown = text(page, "#chat-log .msg.assistant .content")
     assert PAYLOAD in shown, shown
@@ -225,3 +225,11 @@ def test_completions_show_each_token_logprob_on_hover(page):
     tip = page.locator("#tooltip")
     tip.wait_for(state="visible", timeout=2_000)
     assert f"logprob {logprob:.3f}" in tip.text_content()
+
+
+@pytest.mark.ui
+def test_engine_view_lists_a_timed_out_request_under_recent_errors(page, server):
+    r = server.post("/v1/chat/completions", headers=auth(),
+                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "timeout": 0.01})
+    assert r.status_code == 504, r.text
+    page.locator("#errors li").filter(has_text="timed out").first.wait_for(timeout=5_000)
