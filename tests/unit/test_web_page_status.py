@@ -63,3 +63,23 @@ def test_percentiles_of_an_empty_window_are_none():
 ])
 def test_quantization_label_from_the_weights_file(name, label):
     assert quantization(name) == label
+
+
+def test_token_rates_are_the_counters_rise_over_the_elapsed_time():
+    import time
+
+    from tokenloom.entrypoints.ui.status import StatusTracker
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(max_model_len=512), served_model_name="m")
+    tracker = StatusTracker(engine)
+    try:
+        engine.client.last_stats = {"generation_tokens": 100, "prompt_tokens": 0, "steps": 10, "batched_tokens": 10}
+        first = tracker.snapshot()
+        time.sleep(1.0)
+        engine.client.last_stats = {"generation_tokens": 150, "prompt_tokens": 0, "steps": 60, "batched_tokens": 60}
+        second = tracker.snapshot()
+        elapsed = second["time"] - first["time"]
+        assert second["generation_tps"] == pytest.approx(50 / elapsed)
+        assert second["budget_use"] == pytest.approx(1 / engine.config.scheduler.max_num_batched_tokens)
+    finally:
+        tracker.close()

@@ -27,6 +27,7 @@ import tokenloom
 
 WINDOW_S = 60.0
 MAX_ERRORS = 20
+RATE_SPAN_S = 5.0  # token rates and budget use are averaged over this many seconds
 
 
 def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float | None]:
@@ -71,7 +72,7 @@ class StatusTracker:
         self.started = time.time()
         self.latencies: dict[str, deque[tuple[float, float]]] = {k: deque() for k in ("ttft", "tpot", "e2e")}
         self.history: deque[dict[str, Any]] = deque()
-        self._last_counters: tuple[float, dict[str, Any]] | None = None
+        self._counters: deque[tuple[float, dict[str, Any]]] = deque()  # (time, engine counters)
         self.errors = _RecentErrors()
         logging.getLogger("tokenloom").addHandler(self.errors)
         if engine.metrics is not None:
@@ -124,17 +125,22 @@ class StatusTracker:
         }
 
     def _sample(self, now: float, stats: dict[str, Any]) -> dict[str, Any]:
-        """One history point: the engine's gauges plus rates since the previous point."""
+        """One history point: the engine's gauges plus token rates over the last RATE_SPAN_S
+        seconds (a 1-second difference of step counters is too jumpy to read: a step can
+        take longer than a second on a loaded CPU)."""
         counters = {k: stats.get(k, 0) or 0 for k in ("prompt_tokens", "generation_tokens", "steps",
-                                                      "batched_tokens", "prefix_cache_queries",
-                                                      "prefix_cache_hits")}
+                                                      "batched_tokens")}
         point: dict[str, Any] = {
             "t": now, "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0), "prompt_tps": 0.0, "generation_tps": 0.0,
             "budget_use": None,
         }
-        if self._last_counters is not None:
-            t0, c0 = self._last_counters
+        # The oldest sample within the span (the last one when the page was away longer).
+        base = next(((t, c) for t, c in self._counters if now - t <= RATE_SPAN_S), None)
+        if base is None and self._counters:
+            base = self._counters[-1]
+        if base is not None:
+            t0, c0 = base
             dt = max(now - t0, 1e-6)
             # An engine restart resets its counters: a negative delta counts as zero.
             delta = {k: max(0, counters[k] - c0.get(k, 0)) for k in counters}
@@ -143,7 +149,9 @@ class StatusTracker:
             budget = self.engine.config.scheduler.max_num_batched_tokens
             if delta["steps"] and budget:
                 point["budget_use"] = delta["batched_tokens"] / (delta["steps"] * budget)
-        self._last_counters = (now, counters)
+        self._counters.append((now, counters))
+        while self._counters and now - self._counters[0][0] > RATE_SPAN_S + 2:
+            self._counters.popleft()
         return point
 
     def snapshot(self) -> dict[str, Any]:
