@@ -233,3 +233,11 @@ def test_engine_view_lists_a_timed_out_request_under_recent_errors(page, server)
                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "timeout": 0.01})
     assert r.status_code == 504, r.text
     page.locator("#errors li").filter(has_text="timed out").first.wait_for(timeout=5_000)
+
+
+@pytest.mark.ui
+def test_schema_editor_shows_only_for_the_json_schema_format(page):
+    page.click("#tab-chat")
+    assert not page.locator("#p-schema").is_visible()
+    page.select_option("#p-format", "json_schema")
+    assert page.locator("#p-schema").is_visible()
