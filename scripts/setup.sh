@@ -35,6 +35,16 @@ if [ "$MODE" = "test" ]; then
 else
   step python -m pip install -q -e .
 fi
+if [ "$MODE" = "test" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  # The web page's browser tests (-m ui) drive the system Chromium with Playwright (no browser download).
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (apt) for the browser tests ..." >&2
+    step apt-get update -qq
+    step env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+  else
+    echo "setup: no chromium and no apt as root: the browser tests (-m ui) will be skipped" >&2
+  fi
+fi
 echo "$HASH" >"$STAMP"
 [ "$MODE" = "test" ] && echo "$HASH" >.venv/.setup-run
 echo "setup: done" >&2

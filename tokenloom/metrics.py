@@ -149,6 +149,9 @@ class ServerMetrics:
         else:
             self.cache_config_info.set(1)
         self._engine_counters: dict[str, float] = {}
+        # Callables (name, value) told of each raw latency sample ("ttft", "tpot", "e2e"), for the
+        # web page's last-minute percentiles (histograms only keep buckets).
+        self.listeners: list = []
 
     # -------------------------------------------------------------- engine side
 
@@ -195,8 +198,13 @@ class ServerMetrics:
         if max_tokens:
             self.request_params_max_tokens.observe(max_tokens)
 
+    def _tell(self, name: str, value: float) -> None:
+        for listener in self.listeners:
+            listener(name, value)
+
     def observe_first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(max(0.0, seconds))
+        self._tell("ttft", max(0.0, seconds))
 
     def observe_inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(max(0.0, seconds))
@@ -214,6 +222,7 @@ class ServerMetrics:
         reason = finish_reason if finish_reason in self.request_success else "error"
         self.request_success[reason].inc()
         self.e2e_request_latency.observe(max(0.0, e2e))
+        self._tell("e2e", max(0.0, e2e))
         for hist, value in ((self.request_queue_time, queue), (self.request_prefill_time, prefill),
                             (self.request_decode_time, decode)):
             if value is not None and value >= 0:
@@ -223,6 +232,7 @@ class ServerMetrics:
         longest = generation_tokens if max_generation_tokens is None else max_generation_tokens
         if decode is not None and decode >= 0 and longest > 1:
             self.request_time_per_output_token.observe(decode / (longest - 1))
+            self._tell("tpot", decode / (longest - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

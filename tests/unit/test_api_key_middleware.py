@@ -40,3 +40,17 @@ def test_key_is_compared_in_constant_time(monkeypatch):
     app = ApiKeyMiddleware(_ok, "s3cret")
     assert _status(app, "/v1/models", "guess") == 401
     assert calls == [(b"guess", b"s3cret")]
+
+
+def test_web_page_files_are_open_but_its_status_endpoint_is_not():
+    app = ApiKeyMiddleware(_ok, "s3cret", open_ui=True)
+    assert _status(app, "/") == 200
+    assert _status(app, "/ui/static/js/engine.js") == 200
+    assert _status(app, "/ui/api/status") == 401
+    assert _status(app, "/ui/api/status", "s3cret") == 200
+
+
+def test_without_the_web_page_the_root_needs_the_key():
+    app = ApiKeyMiddleware(_ok, "s3cret")
+    assert _status(app, "/") == 401
+    assert _status(app, "/ui/static/js/engine.js") == 401

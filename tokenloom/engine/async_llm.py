@@ -61,6 +61,7 @@ class _Tracked:
     engine_times: dict[str, float] = field(default_factory=dict)
     finished: bool = False
     num_seqs: int = 1  # sequences it runs in the engine (n / best_of)
+    num_output_tokens: int = 0  # generated so far, all sequences (for the web page's request list)
 
     def put(self, out: RequestOutput) -> None:
         self.latest = out
@@ -237,6 +238,15 @@ class AsyncLLM:
     def num_inflight_seqs(self) -> int:
         return sum(t.num_seqs for t in self._requests.values())
 
+    def inflight_requests(self) -> list[dict[str, Any]]:
+        """The open requests, oldest first, for the web page: id, state, token counts, age."""
+        now = time.time()
+        return [{"id": t.request_id, "age": now - t.arrival, "prompt_tokens": t.num_prompt_tokens,
+                 "output_tokens": t.num_output_tokens, "seqs": t.num_seqs,
+                 "state": "decoding" if t.first_token is not None else
+                          ("prefill" if "first_scheduled_time" in t.engine_times else "queued")}
+                for t in sorted(self._requests.values(), key=lambda t: t.arrival)]
+
     # ------------------------------------------------------------------ requests
 
     def default_sampling_params(self) -> dict[str, Any]:
@@ -373,6 +383,7 @@ class AsyncLLM:
             if o.error:
                 errors[o.request_id] = o.error
             if o.new_token_ids:
+                tracked.num_output_tokens += len(o.new_token_ids)
                 last = tracked.last_token.get(o.index)
                 if tracked.first_token is None:
                     tracked.first_token = now

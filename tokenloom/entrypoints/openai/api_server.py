@@ -121,6 +121,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("engine_startup_timeout", float, None, "give up if the engine is not ready within this many seconds")
     opt("metrics_prefix", str, "tokenloom", "prefix of the /metrics names; 'vllm' makes vLLM's Grafana dashboards "
         "work unchanged")
+    g.add_argument("--no-ui", dest="enable_ui", action="store_false", default=not env_default("no_ui", False, bool),
+                   help="do not serve the web page (live engine view and chat playground) at /")
     opt("parallel", int, None, "llama.cpp's name of --max-num-seqs", dest_override="max_num_seqs")
 
     c = parser.add_argument_group("CORS (as vLLM)")
@@ -321,7 +323,8 @@ def prepare(args: argparse.Namespace):
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                              enable_ui=args.enable_ui)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

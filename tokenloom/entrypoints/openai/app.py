@@ -43,19 +43,28 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    enable_ui: bool = True  # the web page at / (--no-ui: off)
 
 
 class ApiKeyMiddleware:
     """Bearer-token check (constant-time compare) on every path but /health (and /metrics
-    unless protected); answers 401 in the OpenAI error shape."""
+    unless protected) and, with the web page on, the page and its static files (they hold no
+    data; the page asks for the key and sends it with its API calls); answers 401 in the
+    OpenAI error shape."""
 
-    def __init__(self, app, api_key: str, protect_metrics: bool = False) -> None:
+    def __init__(self, app, api_key: str, protect_metrics: bool = False, open_ui: bool = False) -> None:
         self.app = app
         self.key = api_key.encode()
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+        self.open_prefix = None
+        if open_ui:
+            from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX
+            self.open_paths |= PUBLIC_PATHS
+            self.open_prefix = PUBLIC_PREFIX
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+        if (scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS"
+                or (self.open_prefix and scope["path"].startswith(self.open_prefix))):
             return await self.app(scope, receive, send)
         token = b""
         for name, value in scope.get("headers", []):
@@ -93,7 +102,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics,
+                           open_ui=settings.enable_ui)
     if engine.metrics is not None:  # http_requests_total, http_request_duration_seconds, ... as vLLM exposes
         Instrumentator(registry=engine.metrics.registry, excluded_handlers=["/metrics"]).instrument(app)
     # Added last, so outermost: preflights are answered and every response (401s too) carries the headers.
@@ -161,4 +171,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         m.engine_healthy.set(1 if engine.is_healthy else 0)
         return Response(m.render(), media_type=m.content_type)
 
+    if settings.enable_ui:
+        from tokenloom.entrypoints.ui import mount_ui
+        app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
     return app

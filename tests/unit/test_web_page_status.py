@@ -1,0 +1,85 @@
+"""The web page's server side without a browser: the --no-ui flag, the routes it adds, and the
+engine view's arithmetic (percentiles, quantization label). The page itself is tested in a
+real browser in tests/e2e/test_web_page.py."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.openai.api_server import add_serve_args
+from tokenloom.entrypoints.openai.app import ServerSettings, build_app
+from tokenloom.entrypoints.ui.status import percentiles, quantization
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_serve_args(argparse.ArgumentParser()).parse_args(["smollm2-135m-instruct", *argv])
+
+
+def test_the_page_is_on_by_default():
+    assert parse().enable_ui is True
+
+
+def test_no_ui_flag_turns_it_off():
+    assert parse("--no-ui").enable_ui is False
+
+
+def test_no_ui_environment_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_NO_UI", "1")
+    assert parse().enable_ui is False
+
+
+@pytest.mark.parametrize("enable_ui, status", [(True, 200), (False, 404)])
+def test_the_app_serves_the_page_only_when_enabled(enable_ui, status):
+    # An engine object that is not started: enough to build the app and route requests.
+    engine = AsyncLLM(EngineConfig(), served_model_name="m")
+    app = build_app(engine, ServerSettings(served_model_names=["m"], enable_ui=enable_ui))
+    with TestClient(app) as client:
+        assert client.get("/").status_code == status
+        assert client.get("/ui/static/js/engine.js").status_code == status
+
+
+def test_percentiles_are_nearest_rank():
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentiles(values) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+
+
+def test_percentiles_of_one_value_are_that_value():
+    assert percentiles([0.25]) == {"p50": 0.25, "p90": 0.25, "p99": 0.25}
+
+
+def test_percentiles_of_an_empty_window_are_none():
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+@pytest.mark.parametrize("name, label", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF Q4_1, dequantized at load"),
+    ("model-f16.gguf", "GGUF F16, dequantized at load"),
+    ("model.gguf", "GGUF, dequantized at load"),
+    ("model.safetensors", "none"),
+])
+def test_quantization_label_from_the_weights_file(name, label):
+    assert quantization(name) == label
+
+
+def test_token_rates_are_the_counters_rise_over_the_elapsed_time():
+    import time
+
+    from tokenloom.entrypoints.ui.status import StatusTracker
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(max_model_len=512), served_model_name="m")
+    tracker = StatusTracker(engine)
+    try:
+        engine.client.last_stats = {"generation_tokens": 100, "prompt_tokens": 0, "steps": 10, "batched_tokens": 10}
+        first = tracker.snapshot()
+        time.sleep(1.0)
+        engine.client.last_stats = {"generation_tokens": 150, "prompt_tokens": 0, "steps": 60, "batched_tokens": 60}
+        second = tracker.snapshot()
+        elapsed = second["time"] - first["time"]
+        assert second["generation_tps"] == pytest.approx(50 / elapsed)
+        assert second["budget_use"] == pytest.approx(1 / engine.config.scheduler.max_num_batched_tokens)
+    finally:
+        tracker.close()
