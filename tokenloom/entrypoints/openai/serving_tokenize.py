@@ -1,6 +1,11 @@
-"""POST /tokenize and POST /detokenize (vLLM-compatible shapes)."""
+"""POST /tokenize and POST /detokenize (vLLM-compatible shapes).
+
+Same input limits as generation (prompt characters, messages, chat template trust) and the
+work runs off the event loop: a large prompt never pauses other requests' streams.
+"""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from tokenloom.entrypoints.openai.errors import BadRequestError, NotFoundError
@@ -14,12 +19,17 @@ class OpenAIServingTokenization(OpenAIServingChat):
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
+
         self._check_model(request.model)
+        check_text(request)
+        check_request_limits(request, self.engine.max_model_len)
         if request.messages is not None:
-            _, ids = self.render_prompt(request)
+            _, ids = await self.render_prompt_async(request)
         else:
-            ids = self.tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens)
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.prompt or "",
+                                          add_special_tokens=request.add_special_tokens)
         body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if request.return_token_strs:
             body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
