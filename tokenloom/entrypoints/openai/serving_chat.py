@@ -68,7 +68,8 @@ class OpenAIServingChat(OpenAIServing):
                     **kwargs)
         except ChatTemplateError as e:
             param = "chat_template" if custom else "messages"
-            raise BadRequestError(f"chat template failed: {e}", param=param, code="invalid_value") from None
+            message = str(e) if str(e).startswith("chat template") else f"chat template failed: {e}"
+            raise BadRequestError(message, param=param, code="invalid_value") from None
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     async def render_prompt_async(self, request: Any) -> tuple[str, list[int]]:
