@@ -100,6 +100,12 @@ class Reservation:
         self.take(self.seqs, self.work)
 
 
+# Restarts allowed within RESTART_WINDOW_S: an engine that dies again and again right after
+# (re)starting (a bad device, a model that crashes on load) must end the server, not loop.
+MAX_RESTARTS_IN_WINDOW = 3
+RESTART_WINDOW_S = 120.0
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (the others go on)."""
 
@@ -202,6 +208,7 @@ class AsyncLLM:
         self.on_engine_dead: Any = None
         self.restarting = False
         self.num_restarts = 0
+        self._restart_times: list[float] = []
         self.mean_latency = 1.0  # moving average of finished requests' e2e seconds (for Retry-After)
         self.load = LoadEstimator()
         self.reserved_seqs = 0  # admitted by the server, not yet registered here (see Reservation)
@@ -259,7 +266,15 @@ class AsyncLLM:
         self.client.shutdown()
 
     async def restart(self, startup_timeout: float | None = None) -> None:
-        """Replace a dead engine process by a fresh one (same config); raises EngineStartupError."""
+        """Replace a dead engine process by a fresh one (same config); raises EngineStartupError, also when
+        the engine already needed MAX_RESTARTS_IN_WINDOW restarts within RESTART_WINDOW_S (each
+        attempt counts, a start-up that dies included)."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= MAX_RESTARTS_IN_WINDOW:
+            raise EngineStartupError(f"the engine was restarted {len(self._restart_times)} times within "
+                                     f"{RESTART_WINDOW_S:g} s and died again; not restarting it")
+        self._restart_times.append(now)
         self.restarting = True
         try:
             self.client.shutdown()  # kills what is left of the old one, frees its sockets
@@ -445,6 +460,8 @@ class AsyncLLM:
         if client is not self.client:
             return  # a replaced engine
         self.fail_all(EngineDeadError(f"the engine died: {reason}"))
+        if self.restarting:
+            return  # a replacement died while starting: restart() raises, and its caller counts the attempt
         if self.metrics is not None:
             self.metrics.num_requests_running.set(0)
             self.metrics.num_requests_waiting.set(0)
