@@ -39,6 +39,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -81,6 +89,10 @@ class ServerProcess:
         return self.proc.pid
 
     def engine_pids(self) -> list[int]:
+        """The EngineCore processes (not other children such as the chat-template renderer)."""
+        return [pid for pid in _children(self.proc.pid) if "tokenloom.engine.core_proc" in _cmdline(pid)]
+
+    def child_pids(self) -> list[int]:
         return _children(self.proc.pid)
 
     def log_text(self) -> str:
@@ -106,7 +118,7 @@ class ServerProcess:
             raise
 
     def kill(self) -> None:
-        engines = self.engine_pids() if self.proc.poll() is None else []
+        engines = self.child_pids() if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
