@@ -56,10 +56,11 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *extra_args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0):
+    def __init__(self, *extra_args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
+                 base_args: list[str] | None = None):
         self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", MODEL, "--port", "0", *BASE_ARGS,
-               *extra_args]
+        base = BASE_ARGS if base_args is None else base_args
+        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", MODEL, "--port", "0", *base, *extra_args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=full_env, text=True)

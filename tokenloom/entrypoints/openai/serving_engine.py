@@ -218,13 +218,13 @@ class OpenAIServing:
                                    f"already wait for a slot (limit {limit})", engine.mean_latency or 1.0)
         wait = engine.load.wait_for(engine.queued_work) if waiting_after > 0 and busy else 0.0
         max_wait = self.state.max_queue_wait
+        own = getattr(request, "timeout", None)
+        if own is not None and wait > own and (max_wait is None or own < max_wait):
+            raise self._overloaded("timeout_below_wait", f"the estimated wait of {wait:.1f} s is longer than the "
+                                   f"request's timeout of {own:g} s", wait - own)
         if max_wait is not None and wait > max_wait:
             raise self._overloaded("queue_wait", f"the server is overloaded: the estimated wait is {wait:.0f} s, "
                                    f"more than the limit of {max_wait:g} s", wait - max_wait)
-        own = getattr(request, "timeout", None)
-        if own is not None and wait > own:
-            raise self._overloaded("timeout_below_wait", f"the estimated wait of {wait:.0f} s is longer than the "
-                                   f"request's timeout of {own:g} s", wait - own)
         holder = _ADMISSION.get()
         if holder is not None:
             holder.append(engine.reserve(new, self.estimate_work(request, width, prompts)))
