@@ -1,4 +1,4 @@
-"""An engine that dies again and again while restarting (issue 21, D5): every death counts toward the
+"""Engine faults end to end. An engine that dies again and again while restarting (issue 21, D5): every death counts toward the
 restart limit, /health never says 200 without a ready engine, and the server gives up (exit code 1)
 instead of restarting forever. The engine process is killed the moment each one appears."""
 from __future__ import annotations
@@ -63,4 +63,38 @@ def test_engine_dying_during_restart_ends_the_server():
         assert late and 200 not in late, late
         assert "could not be restarted" in srv.log_text()
     finally:
+        srv.kill()
+
+
+def test_frozen_engine_is_killed_and_replaced():
+    """An engine process that stops (SIGSTOP: no heartbeat, no step) is declared dead after the heartbeat
+    timeout, killed (its pid disappears), and a fresh engine serves again."""
+    from server_harness import pid_alive
+
+    srv = ServerProcess("--restart-engine", "--engine-heartbeat-timeout", "3")
+    try:
+        (frozen,) = srv.engine_pids()
+        os.kill(frozen, signal.SIGSTOP)
+        t0 = time.time()
+        while httpx.get(srv.url + "/health", timeout=10).status_code == 200:
+            assert time.time() - t0 < 15, "the frozen engine was never noticed"
+            time.sleep(0.1)
+        assert time.time() - t0 >= 2.5  # not before the heartbeat timeout
+        deadline = time.time() + 10
+        while pid_alive(frozen):
+            assert time.time() < deadline, "the frozen engine process was not killed"
+            time.sleep(0.1)
+        deadline = time.time() + 120
+        while httpx.get(srv.url + "/health", timeout=10).status_code != 200:
+            assert time.time() < deadline, srv.log_text()
+            time.sleep(0.2)
+        (fresh,) = srv.engine_pids()
+        assert fresh != frozen
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "The sky is", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        try:
+            os.kill(frozen, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
         srv.kill()
