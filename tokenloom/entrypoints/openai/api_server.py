@@ -212,8 +212,13 @@ async def serve(args: argparse.Namespace) -> int:
                         trust_request_chat_template=args.trust_request_chat_template,
                         max_queue_wait=args.max_queue_wait, stream_write_timeout=args.stream_write_timeout)
     if args.otlp_traces_endpoint:
-        from tokenloom.tracing import init_tracer
-        engine.tracer = init_tracer("tokenloom.api_server", args.otlp_traces_endpoint)
+        from tokenloom.tracing import TracingUnavailableError, init_tracer
+        try:
+            engine.tracer = init_tracer("tokenloom.api_server", args.otlp_traces_endpoint)
+        except TracingUnavailableError as e:
+            print(f"tokenloom: {e}", file=sys.stderr, flush=True)
+            engine.shutdown()
+            return 1
     settings = ServerSettings(served_model_names=[served], api_key=args.api_key,
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes)
     app = build_app(engine, settings, state)
