@@ -75,6 +75,7 @@ RULES = [
     (C, {"prompt": "hi", "logprobs": -1}, "logprobs"),
     (CH, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     (C, {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+    (C, {"prompt": "hi", "min_tokens": 10, "max_tokens": 5}, "min_tokens"),  # vLLM: min_tokens <= max_tokens
     (C, {"prompt": "hi", "stop": ""}, "stop"),
     (C, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     (C, {"prompt": "hi", "timeout": 0}, "timeout"),
@@ -158,7 +159,7 @@ def test_head_on_health_and_metrics(server, path):
 
 def test_request_id_clash_with_a_per_prompt_id_is_400(server):
     """D6: a multi-prompt request with id X uses X-0, X-1, X-2; one of them already running is a 400."""
-    t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 120, "ignore_eos": True,
+    t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 48, "ignore_eos": True,
                                            "request_id": "clash-2"})
     deadline = time.time() + 60
     while not out.get("events") and time.time() < deadline:
@@ -168,7 +169,9 @@ def test_request_id_clash_with_a_per_prompt_id_is_400(server):
     assert_400(r, "request_id", code="duplicate_request_id")
     r = post(server, C, {"prompt": "a", "max_tokens": 2, "request_id": "clash-2"})
     assert_400(r, "request_id", code="duplicate_request_id")
-    t.join(120)
+    t.join(300)
+    assert not t.is_alive() and out["events"][-1] == "[DONE]"
+    wait_idle(server)
     r = post(server, C, {"prompt": ["a", "b", "c"], "max_tokens": 2, "request_id": "clash"})
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
 
@@ -182,7 +185,8 @@ def test_tokenize_at_the_size_limit_is_answered_and_health_stays_responsive(serv
     def tokenize():
         results.append(post(server, "/tokenize", {"prompt": prompt}, timeout=120))
 
-    threads = [threading.Thread(target=tokenize) for _ in range(6)]
+    threads = [threading.Thread(target=tokenize) for _ in range(40)]
+    start = time.time()
     for th in threads:
         th.start()
     worst = 0.0
@@ -193,7 +197,11 @@ def test_tokenize_at_the_size_limit_is_answered_and_health_stays_responsive(serv
         time.sleep(0.05)
     for th in threads:
         th.join()
-    assert [r.status_code for r in results] == [200] * 6
+    phase = time.time() - start
+    assert [r.status_code for r in results] == [200] * 40
     assert results[0].json()["count"] >= 26_000
-    assert worst < 1.5, f"/health waited {worst:.2f} s behind tokenization"
+    # on the event loop (or holding the GIL, or encoding the answers item by item there), /health would wait
+    # behind the queued tokenizations, most of the phase (~5 s before the fix); off it, only for its turn.
+    # Relative, with a floor for a loaded machine's scheduling noise.
+    assert worst < max(1.0, 0.5 * phase), f"/health waited {worst:.2f} s of a {phase:.2f} s tokenize phase"
     wait_idle(server)

@@ -70,7 +70,9 @@ class OpenAIServingChat(OpenAIServing):
             param = "chat_template" if custom else "messages"
             message = str(e) if str(e).startswith("chat template") else f"chat template failed: {e}"
             raise BadRequestError(message, param=param, code="invalid_value") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        from tokenloom.engine.input_processor import encode_text
+
+        return text, encode_text(self.tokenizer, text, add_special_tokens=False)
 
     async def render_prompt_async(self, request: Any) -> tuple[str, list[int]]:
         """`render_prompt` off the event loop: a slow render never holds up other requests."""

@@ -5,6 +5,7 @@ index, as in OpenAI's API. `echo` prepends the prompt (and its logprobs when ask
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -35,8 +36,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            engine_requests.append(self.process_inputs(rid, prompt, params.clone(), request.priority,
-                                                       request.cache_salt, prompt_param=param))
+            if isinstance(prompt, str) and len(prompt) > 4096:  # tokenize long prompts off the event loop
+                er = await asyncio.to_thread(self.process_inputs, rid, prompt, params.clone(), request.priority,
+                                             request.cache_salt, param)
+            else:
+                er = self.process_inputs(rid, prompt, params.clone(), request.priority, request.cache_salt,
+                                         prompt_param=param)
+            engine_requests.append(er)
             prompt_texts.append(prompt if isinstance(prompt, str)
                                 else self.tokenizer.decode(list(prompt), skip_special_tokens=False))
         reservation = self.reservation()
