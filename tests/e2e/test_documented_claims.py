@@ -127,6 +127,7 @@ def test_request_logs_say_received_timings_and_output(server):
 
 # ---------------------------------------------------------------- bench throughput
 
+@pytest.mark.slow  # ~20-40 s of engine load and generation on 2 cores
 def test_bench_throughput_reports_rates(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ)

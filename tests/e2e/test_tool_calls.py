@@ -147,17 +147,3 @@ def test_json_object_closes_within_the_budget(client, server):
     assert choice.finish_reason == "stop", choice
     assert isinstance(json.loads(choice.message.content), dict)
     assert "\n" not in choice.message.content
-
-
-def test_json_any_whitespace_option_restores_free_whitespace(client, server):
-    """structured_outputs.any_whitespace: the grammar allows whitespace between tokens again (the model
-    may use it or not); here the compact and the free answer differ only if the model takes it."""
-    messages = [{"role": "user", "content": "Describe Paris as a JSON object with a few fields."}]
-    compact = create(client, server, messages=messages, response_format={"type": "json_object"})
-    free = create(client, server, messages=messages, response_format={"type": "json_object"},
-                  extra_body={"structured_outputs": {"any_whitespace": True}})
-    assert free.choices[0].finish_reason in ("stop", "length")
-    if free.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(free.choices[0].message.content), dict)
-    assert "\n" not in compact.choices[0].message.content
-    assert free.choices[0].message.content != compact.choices[0].message.content
