@@ -3,11 +3,25 @@ loaded once per session). This folder is on sys.path, so tests can ``import help
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 import helpers
+
+# Test runs use their own cache directory (built tokenizers, converted weights): never the user's
+# ~/.cache/tokenloom, and never a stale entry from an earlier run. Servers the tests start inherit it.
+# TOKENLOOM_TEST_CACHE_DIR names a directory to reuse across runs instead.
+_TEST_CACHE = os.environ.get("TOKENLOOM_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="tokenloom-test-cache-")
+os.environ["TOKENLOOM_CACHE_DIR"] = _TEST_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("TOKENLOOM_TEST_CACHE_DIR"):
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +43,24 @@ def hf_embedded(embedded_path):
     return helpers.load_hf_from_gguf(embedded_path)
 
 
+def _matmul_key(matmul_dtype, dtype) -> str:
+    """build_engine casts (and prepacks) the shared model in place for a matmul dtype other than the
+    activations': such engines must not share weights with the others."""
+    if matmul_dtype in (None, "auto") or f"torch.{matmul_dtype}" == str(dtype):
+        return "same"
+    return str(matmul_dtype)
+
+
 @contextlib.contextmanager
-def _reuse_loaded(loaded_by_path: dict):
-    """Make build_engine reuse already loaded weights for known paths (loading is deterministic)."""
+def _reuse_loaded(loaded_by_path: dict, matmul_dtype=None):
+    """Make build_engine reuse already loaded weights for known (path, dtype, device, matmul dtype)
+    (loading is deterministic)."""
     import tokenloom.executor.setup as setup
     from tokenloom.model.loader.resolve import resolve_model_path
     real = setup.load_model
 
     def load(model, dtype, device, progress=True):
-        key = (resolve_model_path(model), dtype, torch.device(device))
+        key = (resolve_model_path(model), dtype, torch.device(device), _matmul_key(matmul_dtype, dtype))
         if key not in loaded_by_path:
             loaded_by_path[key] = real(model, dtype, device, progress=progress)
         return loaded_by_path[key]
@@ -52,13 +75,13 @@ def make_llm(embedded_path, embedded_loaded):
     """``make_llm(**engine_args)``: an LLM on the embedded model that shares one loaded copy of the weights
     (each LLM still has its own KV cache, scheduler and config)."""
     from tokenloom import LLM
-    loaded = {(embedded_path, torch.float32, torch.device("cpu")): embedded_loaded}
+    loaded = {(embedded_path, torch.float32, torch.device("cpu"), "same"): embedded_loaded}
 
     def make(**engine_args):
         engine_args.setdefault("dtype", "float32")
         engine_args.setdefault("device", "cpu")
         engine_args.setdefault("log_stats_interval", 0)
-        with _reuse_loaded(loaded):
+        with _reuse_loaded(loaded, engine_args.get("matmul_dtype")):
             return LLM(progress=False, **engine_args)
 
     return make
@@ -95,7 +118,7 @@ def make_core(tiny_models):
         engine_args.setdefault("log_stats_interval", 0)
         if "num_blocks" not in engine_args:
             engine_args.setdefault("kv_cache_memory", 0.05)
-        with _reuse_loaded(loaded):
+        with _reuse_loaded(loaded, engine_args.get("matmul_dtype")):
             return EngineCore(EngineConfig.from_kwargs(model=folder, **engine_args), progress=False)
 
     return make
@@ -107,6 +130,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="gpu: no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: needs --run-slow")

@@ -39,6 +39,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -48,10 +56,11 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *extra_args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0):
+    def __init__(self, *extra_args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
+                 base_args: list[str] | None = None):
         self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", MODEL, "--port", "0", *BASE_ARGS,
-               *extra_args]
+        base = BASE_ARGS if base_args is None else base_args
+        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", MODEL, "--port", "0", *base, *extra_args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=full_env, text=True)
@@ -81,6 +90,10 @@ class ServerProcess:
         return self.proc.pid
 
     def engine_pids(self) -> list[int]:
+        """The EngineCore processes (not other children such as the chat-template renderer)."""
+        return [pid for pid in _children(self.proc.pid) if "tokenloom.engine.core_proc" in _cmdline(pid)]
+
+    def child_pids(self) -> list[int]:
         return _children(self.proc.pid)
 
     def log_text(self) -> str:
@@ -106,7 +119,7 @@ class ServerProcess:
             raise
 
     def kill(self) -> None:
-        engines = self.engine_pids() if self.proc.poll() is None else []
+        engines = self.child_pids() if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -206,11 +206,16 @@ async def _soak(srv, seconds: float, concurrency: int, seed: int = 0) -> dict:
         if kind.startswith("cancel"):
             body["max_tokens"] = 64
             try:
-                await c.post(path, json=body, timeout=rng.uniform(0.05, 0.6))
+                r = await c.post(path, json=body, timeout=rng.uniform(0.05, 0.6))
             except httpx.TimeoutException:
-                pass
-            stats["cancelled"] += 1
-            stats["answered"] += 1  # the client gave up: nothing to receive
+                stats["cancelled"] += 1  # the client gave up: the server must abort the request
+                return
+            # answered before the client gave up: it must be a complete, valid answer like any other
+            stats["answered"] += 1
+            check_answer(r, body)
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200 and body.get("stream"):
+                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
             return
         r = await c.post(path, json=body, timeout=120)
         stats["answered"] += 1
@@ -237,15 +242,19 @@ async def _soak(srv, seconds: float, concurrency: int, seed: int = 0) -> dict:
 
 
 def run_soak(srv, seconds: float, concurrency: int = 6) -> None:
-    before = metrics(srv)
     asyncio.run(_soak(srv, min(10.0, seconds / 4), concurrency, seed=1))  # warm-up
-    wait_idle(srv)
+    before = wait_idle(srv)
     rss0 = _rss_kb(srv.pid)
     stats = asyncio.run(_soak(srv, seconds, concurrency, seed=2))
     m = wait_idle(srv)  # no request left running, no KV block leaked
     rss1 = _rss_kb(srv.pid)
-    assert stats["answered"] == stats["sent"], stats
+    assert stats["answered"] + stats["cancelled"] == stats["sent"], stats
     assert stats["ok"] > 0 and stats["stream_ok"] > 0 and stats["cancelled"] > 0 and stats["invalid"] > 0, stats
+    # every client that gave up mid-request had its request aborted in the engine (a cancel that came
+    # before the request reached the engine aborts nothing there), and nothing else was aborted
+    aborted = (m.get('tokenloom:request_success_total{finished_reason="abort"}', 0)
+               - before.get('tokenloom:request_success_total{finished_reason="abort"}', 0))
+    assert 0 < aborted <= stats["cancelled"], (aborted, stats)
     assert m["tokenloom:kv_cache_used_blocks"] == 0
     assert rss1 - rss0 < max(30_000, rss0 * 0.10), (rss0, rss1)  # flat after warm-up (KiB)
     served = sum(m.get(f'tokenloom:request_success_total{{finished_reason="{r}"}}', 0) -

@@ -27,6 +27,7 @@ CHAT = [{"role": "user", "content": "Say hi."}]
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--api-key", API_KEY, "--restart-engine", "--engine-step-timeout", str(STEP_TIMEOUT),
+                        "--trust-request-chat-template",
                         "--engine-heartbeat-timeout", "8", "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-waiting-requests", str(MAX_WAITING), "--max-request-body-bytes", str(BODY_LIMIT),
                         env={"TOKENLOOM_FAULTS": f"step_error={ERROR_TOKEN},step_hang={HANG_TOKEN}"})
@@ -171,6 +172,41 @@ def test_malicious_chat_template_is_rejected(server, template):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+FREEZERS = [  # D1: each froze the API process (GIL-holding C work) or grew it by hundreds of MB
+    "{% set a = (7**1024)**1024 %}{% set b = a**16 %}x",
+    "{% set ns = namespace(a=7) %}{% for i in range(64) %}{% set ns.a = ns.a * ns.a %}{% endfor %}x",
+    "{{ '%300000000s' % 'a' }}",
+    "{{ 'a'.center(300000000) }}",
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}x",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", FREEZERS)
+def test_request_template_cannot_stall_other_requests(server, template):
+    """While a hostile request template renders (in its limited process), /health answers at once."""
+    result = {}
+
+    def send():
+        result["r"] = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                            "chat_template": template}, timeout=60)
+
+    import threading
+    t0 = time.time()
+    th = threading.Thread(target=send)
+    th.start()
+    worst = 0.0
+    while th.is_alive():
+        h0 = time.time()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.time() - h0)
+        time.sleep(0.05)
+    r = result["r"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text[:300]
+    assert time.time() - t0 < 10
+    assert worst < 1.0, f"/health waited {worst:.2f} s"
+
+
 # ---------------------------------------------------------------- admission control and timeouts
 
 def test_overload_gets_503_with_retry_after_at_once(server):
@@ -202,7 +238,8 @@ def test_overload_gets_503_with_retry_after_at_once(server):
         else:
             assert r.json()["usage"]["completion_tokens"] == 16
     m = wait_idle(server)
-    assert m['tokenloom:request_rejected_total{reason="queue_full"}'] >= len(rejected)
+    assert (m.get('tokenloom:request_rejected_total{reason="queue_full"}', 0)
+            + m.get('tokenloom:request_rejected_total{reason="queue_wait"}', 0)) >= len(rejected)
 
 
 def test_request_timeout(server):
@@ -267,7 +304,10 @@ def _wait_health(srv, status, timeout):
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_engine_fault_restarts_engine(server, fault):
-    restarts = metrics(server).get("tokenloom:engine_restarts_total", 0)
+    before = metrics(server)
+    restarts = before.get("tokenloom:engine_restarts_total", 0)
+    errors = before.get('tokenloom:request_success_total{finished_reason="error"}', 0)
+    aborts = before.get('tokenloom:request_success_total{finished_reason="abort"}', 0)
     engines = server.engine_pids()
     t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True}, headers=H)
     deadline = time.time() + 60
@@ -290,6 +330,10 @@ def test_engine_fault_restarts_engine(server, fault):
         assert "Retry-After" in new.headers
     _wait_health(server, 200, 120)
     assert_serves(server)
-    assert metrics(server)["tokenloom:engine_restarts_total"] == restarts + 1
+    after = metrics(server)
+    assert after["tokenloom:engine_restarts_total"] == restarts + 1
+    # the requests the death failed are errors, not client aborts (the stream, and the hung request)
+    assert after['tokenloom:request_success_total{finished_reason="error"}'] - errors == (1 if fault == "killed" else 2)
+    assert after.get('tokenloom:request_success_total{finished_reason="abort"}', 0) == aborts
     assert not set(engines) & set(server.engine_pids())
     assert len(server.engine_pids()) == 1

@@ -133,16 +133,22 @@ def test_chat_n_logprobs_stop(server, client):
                                        seed=7, logprobs=True, top_logprobs=2)
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
-        assert len(c.logprobs.content) == len(c.logprobs.content) > 0
+        # one logprob entry per generated token (usage counts both choices' tokens)
+        assert len(c.logprobs.content) > 0
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content
         assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
-    greedy = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=8, temperature=0)
+    assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
+    greedy = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
     words = greedy.choices[0].message.content.split()
-    if len(words) >= 3:
-        stop_word = words[2]
-        r = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=8, temperature=0,
-                                           stop=[stop_word])
-        assert stop_word not in r.choices[0].message.content
-        assert r.choices[0].finish_reason == "stop"
+    assert len(words) >= 3, greedy.choices[0].message.content  # 16 tokens always hold three words
+    stop_word = words[2]
+    r = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=16, temperature=0,
+                                       stop=[stop_word], extra_body={"ignore_eos": True})
+    text = r.choices[0].message.content
+    assert stop_word not in text
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra.get("stop_reason") == stop_word
+    assert greedy.choices[0].message.content.startswith(text)  # the same greedy text, cut before the stop word
 
 
 # ---------------------------------------------------------------- completions

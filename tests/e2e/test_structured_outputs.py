@@ -58,15 +58,13 @@ def test_regex_choice_grammar(llm):
     cases = [({"regex": r"[0-9]{3}-[a-z]{2,4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
              ({"choice": ["yes", "no", "maybe \"so\""]}, lambda t: t in ("yes", "no", 'maybe "so"')),
              ({"grammar": 'root ::= "A" [0-9] [0-9]? "B"'}, lambda t: re.fullmatch(r"A[0-9]{1,2}B", t)),
-             ({"json_object": True, "disable_any_whitespace": True}, lambda t: isinstance(json.loads(t), dict))]
+             ({"json_object": True}, lambda t: isinstance(json.loads(t), dict))]
     params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so) for so, _ in cases]
-    outs = llm.generate(["Answer:"] * len(cases), params, use_tqdm=False)
+    prompts = ["Answer:"] * (len(cases) - 1) + [PROMPT]  # "Answer:" makes the model write one endless key
+    outs = llm.generate(prompts, params, use_tqdm=False)
     for (so, ok), out in zip(cases, outs):
         o = out.outputs[0]
-        if so.get("json_object"):
-            assert o.finish_reason in ("stop", "length")
-            if o.finish_reason == "length":
-                continue  # an open-ended object may not close in 24 tokens; validity on stop is what counts
+        # json_object too: compact whitespace (the default) lets the object close within 24 tokens
         assert o.finish_reason == "stop" and ok(o.text), (so, o.text)
 
 
@@ -183,12 +181,12 @@ def test_server_named_tool_call(server, client):
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     full = client.chat.completions.create(**body)
     choice = full.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
+    assert choice.finish_reason == "stop", choice  # OpenAI's finish reason for a forced function
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
     content, calls, finish = _stream_chat(server, body)
-    assert finish == "tool_calls"
+    assert finish == "stop"
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
 
 

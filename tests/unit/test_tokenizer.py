@@ -59,7 +59,7 @@ def tok(cache_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency: a broken install must fail the reference comparison, not skip it
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH)
     )
@@ -194,7 +194,7 @@ def test_truncated_gguf_raises_tokenizer_error(tmp_path: Path, monkeypatch: pyte
 
 
 def test_gguf_without_tokenizer_raises_tokenizer_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gguf = pytest.importorskip("gguf")
+    import gguf  # a runtime dependency of tokenloom
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "no_tokenizer.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -291,7 +291,7 @@ def test_folder_without_tokenizer_raises_tokenizer_error(tmp_path: Path) -> None
 
 
 def test_sentencepiece_gguf_ids_match_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency: a broken install must fail the reference comparison, not skip it
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
     write_sentencepiece_gguf(tmp_path / "sp.gguf")
     hf_sp = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")

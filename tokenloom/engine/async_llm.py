@@ -27,7 +27,8 @@ from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom.requests")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestFailedError", "RequestTimeoutError",
+__all__ = ["AsyncLLM", "DuplicateRequestIdError", "EngineDeadError", "EngineStartupError", "RequestFailedError",
+           "RequestTimeoutError",
            "LOG_LEVELS"]
 
 # Request logging levels: off, lifecycle (received/finished), stages (+queue, first token,
@@ -38,8 +39,79 @@ LOG_LEVELS = ("off", "lifecycle", "stages", "full")
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# A prompt token costs about a fifth of an output token at full batch on the CPU path: prefill runs
+# at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (PERFORMANCE.md, this machine).
+PROMPT_TOKEN_WEIGHT = 0.2
+# Output tokens/s assumed before the engine has been measured: below the batched serving rate measured
+# here (164.8 output tokens/s, PERFORMANCE.md), so the first flood is admitted conservatively.
+DEFAULT_OUTPUT_RATE = 100.0
+# The measured rate is a moving average over about this many seconds of busy engine time.
+RATE_WINDOW_S = 10.0
+
+
+class LoadEstimator:
+    """The engine's recent output rate (tokens per second of busy engine time, a moving average over
+    `RATE_WINDOW_S`) and, with the open requests' remaining work, the expected wait of a new arrival.
+
+    Only gaps between consecutive engine steps while requests were open count as busy time, so
+    idle periods do not dilute the rate."""
+
+    def __init__(self, prior_rate: float = DEFAULT_OUTPUT_RATE) -> None:
+        self.rate = prior_rate
+        self.measured = False
+        self._last_step: float | None = None
+
+    def observe_step(self, timestamp: float, output_tokens: int, busy: bool) -> None:
+        last, self._last_step = self._last_step, timestamp if busy else None
+        if last is None or not busy:
+            return
+        dt = timestamp - last
+        if dt <= 0 or dt > RATE_WINDOW_S:
+            return
+        sample = output_tokens / dt
+        alpha = min(1.0, dt / RATE_WINDOW_S)
+        self.rate = sample if not self.measured else (1 - alpha) * self.rate + alpha * sample
+        self.measured = True
+
+    def wait_for(self, work_ahead: float) -> float:
+        """Seconds until `work_ahead` decode-equivalent tokens are done at the current rate."""
+        return work_ahead / max(self.rate, 1e-3)
+
+
+class Reservation:
+    """Engine work admitted for one HTTP request but not yet handed to the engine; each `generate()`
+    given it takes its share over once it is registered, and `release()` drops whatever is left."""
+
+    def __init__(self, owner: "AsyncLLM", seqs: int, work: float) -> None:
+        self.owner, self.seqs, self.work = owner, seqs, work
+        owner.reserved_seqs += seqs
+        owner.reserved_work += work
+
+    def take(self, seqs: int, work: float) -> None:
+        seqs, work = min(seqs, self.seqs), min(work, self.work)
+        self.seqs -= seqs
+        self.work -= work
+        self.owner.reserved_seqs -= seqs
+        self.owner.reserved_work -= work
+        if self.seqs == 0 and self.work > 0:  # all taken over: the estimate's excess goes too
+            self.take(0, self.work)
+
+    def release(self) -> None:
+        self.take(self.seqs, self.work)
+
+
+# Restarts allowed within RESTART_WINDOW_S: an engine that dies again and again right after
+# (re)starting (a bad device, a model that crashes on load) must end the server, not loop.
+MAX_RESTARTS_IN_WINDOW = 3
+RESTART_WINDOW_S = 120.0
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (the others go on)."""
+
+
+class DuplicateRequestIdError(ValueError):
+    """A request id that an open request already uses."""
 
 
 class RequestTimeoutError(RuntimeError):
@@ -61,7 +133,15 @@ class _Tracked:
     engine_times: dict[str, float] = field(default_factory=dict)
     finished: bool = False
     num_seqs: int = 1  # sequences it runs in the engine (n / best_of)
-    num_output_tokens: int = 0  # generated so far, all sequences (for the web page's request list)
+    max_tokens: int = 0  # per sequence (for the queued-work estimate)
+    generated: int = 0  # tokens generated so far, all sequences together
+    params: Any = None  # the SamplingParams (for the tracing span)
+
+    @property
+    def remaining_work(self) -> float:
+        """Decode-equivalent tokens this request still needs from the engine (see LoadEstimator)."""
+        prompt = 0 if self.first_token is not None else self.num_prompt_tokens * PROMPT_TOKEN_WEIGHT
+        return prompt + max(0, self.num_seqs * self.max_tokens - self.generated)
 
     def put(self, out: RequestOutput) -> None:
         self.latest = out
@@ -128,7 +208,12 @@ class AsyncLLM:
         self.on_engine_dead: Any = None
         self.restarting = False
         self.num_restarts = 0
+        self._restart_times: list[float] = []
         self.mean_latency = 1.0  # moving average of finished requests' e2e seconds (for Retry-After)
+        self.load = LoadEstimator()
+        self.reserved_seqs = 0  # admitted by the server, not yet registered here (see Reservation)
+        self.reserved_work = 0.0
+        self.tracer: Any = None  # an OpenTelemetry tracer when --otlp-traces-endpoint is set (tracing.py)
 
     def _new_client(self) -> EngineCoreClient:
         holder: list[EngineCoreClient] = []
@@ -181,7 +266,15 @@ class AsyncLLM:
         self.client.shutdown()
 
     async def restart(self, startup_timeout: float | None = None) -> None:
-        """Replace a dead engine process by a fresh one (same config); raises EngineStartupError."""
+        """Replace a dead engine process by a fresh one (same config); raises EngineStartupError, also when
+        the engine already needed MAX_RESTARTS_IN_WINDOW restarts within RESTART_WINDOW_S (each
+        attempt counts, a start-up that dies included)."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= MAX_RESTARTS_IN_WINDOW:
+            raise EngineStartupError(f"the engine was restarted {len(self._restart_times)} times within "
+                                     f"{RESTART_WINDOW_S:g} s and died again; not restarting it")
+        self._restart_times.append(now)
         self.restarting = True
         try:
             self.client.shutdown()  # kills what is left of the old one, frees its sockets
@@ -242,10 +335,18 @@ class AsyncLLM:
         """The open requests, oldest first, for the web page: id, state, token counts, age."""
         now = time.time()
         return [{"id": t.request_id, "age": now - t.arrival, "prompt_tokens": t.num_prompt_tokens,
-                 "output_tokens": t.num_output_tokens, "seqs": t.num_seqs,
+                 "output_tokens": t.generated, "seqs": t.num_seqs,
                  "state": "decoding" if t.first_token is not None else
                           ("prefill" if "first_scheduled_time" in t.engine_times else "queued")}
                 for t in sorted(self._requests.values(), key=lambda t: t.arrival)]
+
+    @property
+    def queued_work(self) -> float:
+        """Decode-equivalent tokens the engine still owes the open requests, plus the reserved ones'."""
+        return sum(t.remaining_work for t in self._requests.values()) + self.reserved_work
+
+    def reserve(self, seqs: int, work: float) -> Reservation:
+        return Reservation(self, seqs, work)
 
     # ------------------------------------------------------------------ requests
 
@@ -259,27 +360,34 @@ class AsyncLLM:
                                             arrival_time=arrival_time, cache_salt=cache_salt)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, engine_request: Any = None,
-                       prompt_text: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, engine_request: Any = None, prompt_text: str | None = None,
+                       timeout: float | None = None, reservation: Reservation | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative RequestOutputs of one request; the last one has finished=True.
 
         `engine_request` may be passed when the caller already ran `process_inputs` (to
         report validation errors before it starts streaming). `timeout` (seconds from now,
         queueing included) ends the request with RequestTimeoutError when it runs out.
+        `reservation` (from `reserve()` at admission) hands its share of work over to this request.
         """
         if not self.client.is_alive:
             raise EngineDeadError(self.client.dead_reason or "the engine is not running")
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         arrival = time.time()
         req = engine_request or self.process_inputs(request_id, prompt, params, priority, arrival)
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
-        tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids),
-                           num_seqs=max(params.n, params.best_of or params.n))
+        seqs = max(params.n, params.best_of or params.n)
+        tracked = _Tracked(request_id, arrival, len(req.prompt_token_ids), num_seqs=seqs,
+                           max_tokens=int(req.sampling_params.max_tokens or params.max_tokens or 0))
         self._requests[request_id] = tracked
         if self.metrics is not None:
             self.metrics.observe_request_params(n=params.n, max_tokens=params.max_tokens)
+        if reservation is not None:
+            reservation.take(seqs, tracked.remaining_work)
+        if self.tracer is not None:
+            tracked.params = req.sampling_params
         self.output_processor.add_request(request_id, prompt_text, req.prompt_token_ids, params)
         self._log_received(request_id, req, params, prompt_text)
         finished = False
@@ -302,6 +410,8 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
+                if isinstance(tracked.error, EngineDeadError):
+                    reason = "error"  # failed by the engine's death: an error, not a client abort
                 self._drop(request_id, abort_engine=True, reason=reason)
 
     def _timeout_message(self, tracked: _Tracked, timeout: float) -> str:
@@ -337,6 +447,8 @@ class AsyncLLM:
             if self.metrics is not None:
                 self.metrics.observe_finished(finish_reason=reason, prompt_tokens=tracked.num_prompt_tokens,
                                               generation_tokens=gen, e2e=time.time() - tracked.arrival)
+            self._trace(tracked, time.time(), reason, tracked.num_prompt_tokens, gen,
+                        error=None if reason == "abort" else f"request ended: {reason}")
             if reason == "timeout":
                 logger.warning("request %s timed out after %.3f s", request_id, time.time() - tracked.arrival)
             elif self.log_requests != "off":
@@ -359,6 +471,8 @@ class AsyncLLM:
         if client is not self.client:
             return  # a replaced engine
         self.fail_all(EngineDeadError(f"the engine died: {reason}"))
+        if self.restarting:
+            return  # a replacement died while starting: restart() raises, and its caller counts the attempt
         if self.metrics is not None:
             self.metrics.num_requests_running.set(0)
             self.metrics.num_requests_waiting.set(0)
@@ -373,6 +487,8 @@ class AsyncLLM:
         metrics = self.metrics
         if metrics is not None:
             metrics.observe_iteration(msg.num_step_tokens)
+        self.load.observe_step(msg.timestamp, sum(len(o.new_token_ids) for o in msg.outputs),
+                               busy=bool(self._requests))
         errors: dict[str, str] = {}
         outputs = []
         for o in msg.outputs:
@@ -383,7 +499,7 @@ class AsyncLLM:
             if o.error:
                 errors[o.request_id] = o.error
             if o.new_token_ids:
-                tracked.num_output_tokens += len(o.new_token_ids)
+                tracked.generated += len(o.new_token_ids)
                 last = tracked.last_token.get(o.index)
                 if tracked.first_token is None:
                     tracked.first_token = now
@@ -408,6 +524,11 @@ class AsyncLLM:
             tracked = self._requests.get(ro.request_id)
             if tracked is None:
                 continue
+            if ro.finished and ro.request_id not in errors and any(o.finish_reason == "error" for o in ro.outputs):
+                # Not an OpenAI finish reason: the engine could not continue a sequence (e.g. its output
+                # constraint allowed no token). The request fails with the engine error (500).
+                errors[ro.request_id] = "the engine could not continue the generation (its output constraint " \
+                                        "allowed no further token)"
             if ro.request_id in errors:
                 tracked.fail(RequestFailedError(errors[ro.request_id]))
                 tracked.finished = True
@@ -415,6 +536,8 @@ class AsyncLLM:
                 if metrics is not None:
                     metrics.observe_finished(finish_reason="error", prompt_tokens=tracked.num_prompt_tokens,
                                              generation_tokens=0, e2e=now - tracked.arrival)
+                self._trace(tracked, now, "error", tracked.num_prompt_tokens, tracked.generated,
+                            error=errors[ro.request_id])
                 logger.warning("request %s failed in the engine: %s", ro.request_id, errors[ro.request_id])
                 continue
             tracked.put(ro)
@@ -443,6 +566,8 @@ class AsyncLLM:
                                           prefill=prefill, decode=decode,
                                           max_generation_tokens=max((len(o.token_ids) for o in ro.outputs),
                                                                     default=0))
+        self._trace(tracked, now, reason or "stop", len(ro.prompt_token_ids), gen, queue=queue, prefill=prefill,
+                    decode=decode)
         if self.log_requests != "off":
             msg = (f"request {ro.request_id} finished ({reason}): {len(ro.prompt_token_ids)} prompt + "
                    f"{gen} generated tokens in {now - tracked.arrival:.3f} s")
@@ -452,6 +577,22 @@ class AsyncLLM:
             if self.log_requests == "full":
                 msg += f"; output: {[o.text for o in ro.outputs]!r}"
             logger.info(msg)
+
+    def _trace(self, tracked: _Tracked, end: float, reason: str, prompt_tokens: int, generated: int,
+               error: str | None = None, **latencies: float | None) -> None:
+        """One span per ended request when tracing is on (see tracing.py); nothing otherwise."""
+        if self.tracer is None:
+            return
+        from tokenloom.tracing import record_request_span
+
+        try:
+            record_request_span(self.tracer, request_id=tracked.request_id, model=self.served_model_name,
+                                arrival=tracked.arrival, end=end, params=tracked.params,
+                                prompt_tokens=prompt_tokens, completion_tokens=generated, finish_reason=reason,
+                                ttft=None if tracked.first_token is None else tracked.first_token - tracked.arrival,
+                                error=error, **latencies)
+        except Exception:  # noqa: BLE001 - tracing never fails a request
+            logger.exception("recording the trace span failed")
 
     def _log_received(self, request_id: str, req: Any, params: SamplingParams, prompt_text: str | None) -> None:
         if self.log_requests == "off":

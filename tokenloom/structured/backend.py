@@ -135,7 +135,21 @@ class XgrammarBackend:
         if size > self.max_grammar_bytes:
             raise StructuredOutputError(f"the compiled {_WHAT[spec.kind]} is too large ({size >> 20} MiB; the "
                                         f"limit is {self.max_grammar_bytes >> 20} MiB)")
+        self._check_can_start(grammar, spec)
         return grammar
+
+    def _check_can_start(self, grammar: Any, spec: GrammarSpec) -> None:
+        """Refuse a grammar that allows no first token (`root ::= root`, an empty regex class): it could
+        never produce output, and would otherwise end every request with an engine error."""
+        import torch
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(grammar)
+        mask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        matcher.fill_next_token_bitmask(mask)
+        if not bool(mask.any()):
+            raise StructuredOutputError(f"the {_WHAT[spec.kind]} matches no output at all (no first token is "
+                                        f"allowed, e.g. a rule that only refers to itself)")
 
 
 _BACKENDS: dict[tuple, XgrammarBackend] = {}

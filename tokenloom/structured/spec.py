@@ -3,7 +3,10 @@
 Accepted keys (vLLM names): exactly one constraint of ``json`` (schema dict or JSON text),
 ``json_object`` (true), ``regex``, ``choice`` (list of strings), ``grammar`` (EBNF / GBNF),
 ``structural_tag`` (dict or JSON text); options ``strict`` (JSON schema: no properties or items
-beyond the schema's) and ``disable_any_whitespace``. Schemas are checked here (JSON Schema
+beyond the schema's) and ``any_whitespace``. JSON is compact by default (one space after ``,``
+and ``:``, no other whitespace): a small model given free whitespace spends its token budget on
+newlines and indentation and the JSON never closes (issue 21). ``any_whitespace: true`` restores
+free (bounded) whitespace; vLLM's ``disable_any_whitespace`` is accepted and is the default. Schemas are checked here (JSON Schema
 validity, and features xgrammar would silently not enforce), before anything is compiled.
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 from tokenloom.structured.errors import StructuredOutputError
 
 CONSTRAINT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-OPTION_KEYS = ("strict", "disable_any_whitespace", "disable_additional_properties")
+OPTION_KEYS = ("strict", "any_whitespace", "disable_any_whitespace", "disable_additional_properties")
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 4096
 
@@ -65,7 +68,7 @@ def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "struct
     value = so[kind]
     where = where or f"{param}.{kind}"
     strict = bool(so.get("strict", False) or so.get("disable_additional_properties", False))
-    any_ws = not bool(so.get("disable_any_whitespace", False))
+    any_ws = so.get("any_whitespace") is True and not so.get("disable_any_whitespace", False)
     if kind == "json":
         schema = _load_json(value, where, "a JSON schema (object or JSON text)")
         if isinstance(schema, bool):

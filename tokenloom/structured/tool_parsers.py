@@ -184,17 +184,28 @@ class HermesToolParser:
         return {"index": i, "id": state["id"], "type": "function", "function": {"name": state["name"], "arguments": ""}}
 
     # ------------------------------------------------------------------ grammar
-    def structural_tag(self, functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    def structural_tag(self, functions: list[dict[str, Any]], parallel: bool = True,
+                       any_whitespace: bool = False) -> dict[str, Any]:
         """xgrammar structural tag: one or more calls (just one unless parallel) of these functions, in this
-        parser's format, and nothing else."""
+        parser's format, and nothing else.
+
+        Calls follow each other with no separator, so after a complete call the model's choice is between
+        ending (its end-of-turn token) and opening another call; a newline separator made a small model
+        take the newline and then be forced into call after call until max_tokens. The JSON is compact
+        (", " and ": " only) unless `any_whitespace`."""
         tags = []
         for fn in functions:
             schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
                                                        "arguments": fn.get("parameters") or {"type": "object"}},
                       "required": ["name", "arguments"], "additionalProperties": False}
-            tags.append({"type": "tag", "begin": self.start + "\n",
-                         "content": {"type": "json_schema", "json_schema": schema}, "end": "\n" + self.end})
-        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+            content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+            if not any_whitespace:  # compact JSON, as a grammar (a json_schema tag always allows whitespace)
+                import xgrammar as xgr
+
+                ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False))
+                content = {"type": "grammar", "grammar": ebnf}
+            tags.append({"type": "tag", "begin": self.start + "\n", "content": content, "end": "\n" + self.end})
+        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "",
                                                      "at_least_one": True, "stop_after_first": not parallel}}
 
 

@@ -2,9 +2,20 @@
 
 The sandbox refuses unsafe attributes (no dunders, no module globals, no imports or file
 access: there is no loader). A template may come with a request, so its cost is bounded
-too: `*` / `**` that would build a value over `MAX_RENDER_CHARS` raise, the output is
-capped at `MAX_RENDER_CHARS`, and a render running past `MAX_RENDER_SECONDS` (nested
-loops) is interrupted; all of these are ChatTemplateErrors.
+too, here and where it runs:
+
+* in the sandbox: `*`, `**`, `+` and `%` that would build a string or list over
+  `MAX_RENDER_CHARS` or an integer over `MAX_INT_BITS` bits raise before computing it
+  (Python's big-integer arithmetic is C code that holds the GIL: `(7**1024)**1024` froze
+  the whole API process for 30 s), as do padding arguments (`center`, `ljust`, `indent`,
+  `"%300000000s"`) over `MAX_RENDER_CHARS`; the output is capped at `MAX_RENDER_CHARS`;
+* the model's own template renders in a worker thread, interrupted past
+  `MAX_RENDER_SECONDS`;
+* a template sent with a request renders in a separate process (`render_untrusted`, see
+  template_process.py) with an address-space limit and a wall-clock limit after which it
+  is killed, so no template can stall or bloat the server whatever it computes.
+
+All of these are ChatTemplateErrors.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -27,6 +39,11 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 MAX_RENDER_SECONDS = 2.0
 MAX_RENDER_CHARS = 4 * 2 ** 20
 _MAX_POWER_EXPONENT = 1024
+# Integers a template may build: far beyond any index or count a real template uses (they
+# stay below 2**64), far below what makes arithmetic or str() slow (milliseconds at 4,096 bits).
+MAX_INT_BITS = 4096
+# str methods whose int arguments are output widths.
+_PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -91,27 +108,114 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _refuse(message: str) -> None:
+    raise jinja2.exceptions.SecurityError(message)
+
+
+def _check_int_bits(bits: int) -> None:
+    if bits > MAX_INT_BITS:
+        _refuse(f"the template builds an integer of about {bits} bits; the limit is {MAX_INT_BITS}")
+
+
+def _check_width(width: Any) -> None:
+    if isinstance(width, int) and not isinstance(width, bool) and width > MAX_RENDER_CHARS:
+        _refuse(f"the template asks for a width of {width} characters; the limit is {MAX_RENDER_CHARS}")
+
+
+_PERCENT_SPEC = None
+
+
+def _check_percent_format(fmt: str) -> None:
+    """`"%300000000s" % x` would allocate its padding before any size check could see it."""
+    global _PERCENT_SPEC
+    if "%" not in fmt:
+        return
+    if _PERCENT_SPEC is None:
+        import re
+        _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+    for m in _PERCENT_SPEC.finditer(fmt):
+        for group in m.groups():
+            if group == "*":
+                _refuse("'*' widths in %-formatting are not allowed in chat templates")
+            if group is not None and len(group) > 7 or (group and int(group) > MAX_RENDER_CHARS):
+                _refuse(f"a %-format width of {group} characters; the limit is {MAX_RENDER_CHARS}")
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """Sandbox that raises on unsafe attribute access instead of yielding an undefined value,
-    and on `*` / `**` building oversized values."""
+    and on operators and methods that would build oversized values (checked before the work)."""
 
-    intercepted_binops = frozenset(["*", "**"])
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        ints = isinstance(left, int) and isinstance(right, int)
         if operator == "*":
+            if ints:
+                _check_int_bits(left.bit_length() + right.bit_length())
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
                         len(seq) * max(times, 0) > MAX_RENDER_CHARS:
-                    raise jinja2.exceptions.SecurityError(
-                        f"the template builds a value of {len(seq) * times} items; the limit is {MAX_RENDER_CHARS}")
-        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_POWER_EXPONENT:
-            raise jinja2.exceptions.SecurityError(f"exponent {right} is too large")
+                    _refuse(f"the template builds a value of {len(seq) * times} items; the limit is "
+                            f"{MAX_RENDER_CHARS}")
+        elif operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > _MAX_POWER_EXPONENT:
+                _refuse(f"exponent {right} is too large")
+            if ints and right > 0 and abs(left) > 1:
+                _check_int_bits(left.bit_length() * right)
+        elif operator == "+":
+            if ints:
+                _check_int_bits(max(left.bit_length(), right.bit_length()) + 1)
+            elif isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) and \
+                    len(left) + len(right) > MAX_RENDER_CHARS:
+                _refuse(f"the template builds a value of {len(left) + len(right)} items; the limit is "
+                        f"{MAX_RENDER_CHARS}")
+        elif operator == "%" and isinstance(left, str):
+            _check_percent_format(left)
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        """Method calls from templates: refuse str padding / replacement that would be oversized."""
+        owner = getattr(__obj, "__self__", None)
+        name = getattr(__obj, "__name__", "")
+        if isinstance(owner, str):
+            if name in _PADDING_METHODS:
+                for a in (*args, *kwargs.values()):
+                    _check_width(a)
+                if name == "expandtabs" and owner.count("\t") * max([a for a in args if isinstance(a, int)] or [8]) \
+                        > MAX_RENDER_CHARS:
+                    _refuse("expandtabs would build an oversized string")
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                grows = len(args[1]) - len(args[0])
+                if grows > 0 and len(owner) + (owner.count(args[0]) if args[0] else len(owner) + 1) * grows \
+                        > MAX_RENDER_CHARS:
+                    _refuse("replace would build a string over the size limit")
+            elif name == "format":
+                for a in (*args, *kwargs.values()):
+                    if isinstance(a, str) and len(a) > MAX_RENDER_CHARS:
+                        _refuse("format argument over the size limit")
+        return super().call(__context, __obj, *args, **kwargs)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise jinja2.exceptions.SecurityError(
             f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
         )
+
+
+def _checked_filter(name: str, width_args: tuple[str, ...]) -> Any:
+    """A jinja2 built-in filter whose width-like arguments are capped (filters bypass `call`)."""
+    real = jinja2.filters.FILTERS[name]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for a in (*args[1:], *(kwargs.get(k) for k in width_args)):
+            _check_width(a)
+        if name == "format" and args and isinstance(args[0], str):
+            _check_percent_format(args[0])
+        return real(*args, **kwargs)
+
+    run.__name__ = name
+    if hasattr(real, "jinja_pass_arg"):  # pass_environment / pass_eval_context filters keep that
+        run.jinja_pass_arg = real.jinja_pass_arg  # type: ignore[attr-defined]
+    return run
 
 
 @lru_cache(maxsize=32)
@@ -121,6 +225,9 @@ def compile_chat_template(template: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    for name, kw in (("center", ("width",)), ("indent", ("width",)), ("wordwrap", ("width",)),
+                     ("format", ())):
+        env.filters[name] = _checked_filter(name, kw)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()

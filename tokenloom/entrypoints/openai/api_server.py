@@ -39,7 +39,8 @@ import uvicorn
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
 from tokenloom.executor.headless import run_headless
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_WAITING_REQUESTS, ServerShuttingDownError,
+from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_QUEUE_WAIT, DEFAULT_MAX_WAITING_REQUESTS,
+                                                         DEFAULT_STREAM_WRITE_TIMEOUT, ServerShuttingDownError,
                                                          ServerState)
 
 logger = logging.getLogger("tokenloom.server")
@@ -166,6 +167,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_common_args(parser)
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks of start-up errors")
+    # ---- reliability round two (issue 21): admission by expected wait, stalled streams, request templates
+    opt("max_queue_wait", float, DEFAULT_MAX_QUEUE_WAIT,
+        "answer 503 with Retry-After at once when a new request's estimated wait for the engine (queued tokens / "
+        "measured rate) exceeds this many seconds (0: no limit)")
+    opt("stream_write_timeout", float, DEFAULT_STREAM_WRITE_TIMEOUT,
+        "end a streamed response whose client has not taken a chunk for this many seconds (0: never)")
+    flag("trust_request_chat_template", "render a chat_template sent with a request (in a separate process with "
+         "memory and time limits); otherwise such requests get 400")
+    opt("otlp_traces_endpoint", str, None, "export OpenTelemetry request spans to this OTLP endpoint "
+        "(e.g. http://localhost:4317); off by default")
     return parser
 
 
@@ -364,7 +375,17 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"tokenloom: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     _apply_generation_config(engine, args)
 
-    state = ServerState(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout)
+    state = ServerState(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        max_queue_wait=args.max_queue_wait, stream_write_timeout=args.stream_write_timeout)
+    if args.otlp_traces_endpoint:
+        from tokenloom.tracing import TracingUnavailableError, init_tracer
+        try:
+            engine.tracer = init_tracer("tokenloom.api_server", args.otlp_traces_endpoint)
+        except TracingUnavailableError as e:
+            engine.shutdown()
+            sock.close()
+            raise StartupError(str(e)) from e
     app = build_app(engine, settings, state)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host

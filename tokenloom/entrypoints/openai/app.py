@@ -135,13 +135,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return tokenization.tokenize(request)
+        return await tokenization.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
         return tokenization.detokenize(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
@@ -162,7 +162,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     async def version():
         return {"version": tokenloom.__version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         m = engine.metrics
         if m is None:

@@ -163,7 +163,7 @@ def install_error_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
-        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(status)
         return error_response(status, message, code=code)
 
     @app.exception_handler(Exception)
@@ -215,7 +215,12 @@ class BodyGuardMiddleware:
                 break
         from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
 
-        if json_depth(b"".join(chunks)) > MAX_JSON_DEPTH:
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await self._reject(send, 400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_json")
+        if json_depth(body) > MAX_JSON_DEPTH:
             return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
                                       "nesting_too_deep")
         replayed = False

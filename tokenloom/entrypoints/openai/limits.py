@@ -222,3 +222,37 @@ def check_request_limits(request: Any, max_model_len: int | None = None) -> None
                 f"This model's maximum context length is {max_model_len} tokens; the prompt has {total} "
                 f"characters, more than any {max_model_len}-token prompt could have", param=param,
                 code="context_length_exceeded")
+
+
+# ------------------------------------------------------------------ text encoding
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """Path of the first string holding a lone UTF-16 surrogate (JSON allows "\\ud800"; UTF-8 cannot
+    encode it, so the tokenizer and the response writer would fail), or None. Iterative."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p or None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, p))
+                stack.append((x, f"{p}.{k}" if p else str(k)))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+        elif hasattr(v, "__pydantic_fields__"):
+            fields = dict(v.__dict__)
+            fields.update(getattr(v, "__pydantic_extra__", None) or {})
+            stack.extend((x, f"{p}.{k}" if p else k) for k, x in fields.items())
+    return None
+
+
+def check_text(request: Any) -> None:
+    """400 naming the field when any string of the request is not valid Unicode text."""
+    bad = _lone_surrogate_path(request, "")
+    if bad is not None:
+        raise BadRequestError(f"{bad}: the string contains a lone UTF-16 surrogate (not valid Unicode text)",
+                              param=bad, code="invalid_value")

@@ -24,6 +24,14 @@ MAX_BAD_WORDS = 1024
 MAX_REQUEST_ID_LEN = 256
 
 
+def _field_error(field: str, message: str):
+    """A validation error located at `field` (so the 400 names it), from a model-level check."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+    return ValidationError.from_exception_data("request", [InitErrorDetails(
+        type=PydanticCustomError("value_error", message), loc=(field,), input=None)])
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored (as OpenAI-compatible servers do), never an error.
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -68,7 +76,8 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: Optional[list[str]] = Field(None, max_length=MAX_BAD_WORDS)
     allowed_token_ids: Optional[list[int]] = Field(None, max_length=MAX_TOKEN_LIST)
     prompt_logprobs: Optional[int] = Field(None, ge=0)
-    priority: int = 0
+    # The scheduler orders by it; a 64-bit range as vLLM's (larger values cannot be compared cheaply).
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
     return_token_ids: bool = False
     cache_salt: Optional[str] = Field(None, max_length=1024)
@@ -117,6 +126,15 @@ class SamplingFields(OpenAIBaseModel):
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
+
+    @model_validator(mode="after")
+    def _check_stream_only(self):
+        # OpenAI and vLLM: stream_options only with stream=true; vLLM: prompt_logprobs is not streamed.
+        if self.stream_options is not None and not self.stream:
+            raise _field_error("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise _field_error("prompt_logprobs", "prompt_logprobs is not available when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: chat template -> token ids -> engine -> chat.completion(.chunk)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -16,17 +17,28 @@ from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwa
                                                          stream_error_chunk)
 from tokenloom.outputs import RequestOutput
 
-# Names apply_chat_template takes itself: chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "continue_final_message",
-                             "chat_template"}
+# Names the renderer takes itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents", "continue_final_message",
+                             "chat_template", "template", "special_tokens"}
 
 
 class OpenAIServingChat(OpenAIServing):
 
     def render_prompt(self, request: Any) -> tuple[str, list[int]]:
-        """Apply the chat template; returns (prompt text, token ids). Template errors are 400s."""
+        """Apply the chat template; returns (prompt text, token ids). Template errors are 400s.
+
+        Blocking (template rendering and tokenization): the handlers call it via `render_prompt_async`.
+        A template sent with the request is refused unless the server trusts request templates
+        (--trust-request-chat-template, vLLM's flag); trusted, it renders in a separate process with
+        memory and time limits (tokenizer/template_process.py)."""
         from tokenloom.tokenizer.chat_template import ChatTemplateError
 
+        custom = request.chat_template
+        if custom is not None and custom != self.tokenizer.chat_template \
+                and not self.state.trust_request_chat_template:
+            raise BadRequestError("a chat_template sent with the request is refused: the server does not trust "
+                                  "request chat templates (start it with --trust-request-chat-template)",
+                                  param="chat_template", code="untrusted_chat_template")
         messages = []
         for m in request.messages:
             d = m.model_dump(exclude_none=True)
@@ -36,21 +48,40 @@ class OpenAIServingChat(OpenAIServing):
         clash = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
         if clash:
             raise BadRequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
-                                  param="chat_template_kwargs")
+                                  param="chat_template_kwargs", code="invalid_value")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt,
-                tools=template_tools(request), continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template, **kwargs)
+            if custom is not None and custom != self.tokenizer.chat_template:
+                from tokenloom.tokenizer.template_process import render_untrusted
+
+                tok = self.tokenizer
+                special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+                documents = kwargs.pop("documents", None)
+                text = render_untrusted(custom, messages, add_generation_prompt=request.add_generation_prompt,
+                                        continue_final_message=request.continue_final_message,
+                                        tools=template_tools(request), documents=documents,
+                                        special_tokens={k: v for k, v in special.items() if v is not None},
+                                        **kwargs)
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=request.add_generation_prompt,
+                    tools=template_tools(request), continue_final_message=request.continue_final_message,
+                    **kwargs)
         except ChatTemplateError as e:
-            param = "chat_template" if request.chat_template else "messages"
-            raise BadRequestError(f"chat template failed: {e}", param=param, code="invalid_value") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+            param = "chat_template" if custom else "messages"
+            message = str(e) if str(e).startswith("chat template") else f"chat template failed: {e}"
+            raise BadRequestError(message, param=param, code="invalid_value") from None
+        from tokenloom.engine.input_processor import encode_text
+
+        return text, encode_text(self.tokenizer, text, add_special_tokens=False)
+
+    async def render_prompt_async(self, request: Any) -> tuple[str, list[int]]:
+        """`render_prompt` off the event loop: a slow render never holds up other requests."""
+        return await asyncio.to_thread(self.render_prompt, request)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
         request_id = self.request_id(request, "chatcmpl")
-        text, prompt_ids = self.render_prompt(request)
+        text, prompt_ids = await self.render_prompt_async(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens=request.effective_max_tokens, logprobs=logprobs,
                                       default_max_tokens=None)
@@ -59,12 +90,13 @@ class OpenAIServingChat(OpenAIServing):
                                              prompt_param="messages")
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
                                    engine_request=engine_request, prompt_text=text, priority=request.priority,
-                                   timeout=self.timeout_for(request))
+                                   timeout=self.timeout_for(request), reservation=self.reservation())
         created = int(time.time())
         if request.stream:
             return DisconnectAwareStreamingResponse(self._stream(request, gen, request_id, created),
                                                     media_type="text/event-stream",
-                                                    headers={"Cache-Control": "no-cache"})
+                                                    headers={"Cache-Control": "no-cache"},
+                                                    write_timeout=self.state.stream_write_timeout)
         result = await run_cancellable(raw_request, self._full(request, gen, request_id, created))
         if result is None:
             return Response(status_code=499)  # the client went away; nobody reads this

@@ -5,6 +5,7 @@ index, as in OpenAI's API. `echo` prepends the prompt (and its logprobs when ask
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -24,8 +25,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
-        base_id = self.request_id(request, "cmpl")
         prompts = request.prompts()
+        base_id = self.request_id(request, "cmpl", len(prompts))
         echo_logprobs = request.echo and request.logprobs is not None
         params = self.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
                                       default_max_tokens=16, best_of=request.best_of, echo_logprobs=echo_logprobs)
@@ -35,18 +36,25 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            engine_requests.append(self.process_inputs(rid, prompt, params.clone(), request.priority,
-                                                       request.cache_salt, prompt_param=param))
+            if isinstance(prompt, str) and len(prompt) > 4096:  # tokenize long prompts off the event loop
+                er = await asyncio.to_thread(self.process_inputs, rid, prompt, params.clone(), request.priority,
+                                             request.cache_salt, param)
+            else:
+                er = self.process_inputs(rid, prompt, params.clone(), request.priority, request.cache_salt,
+                                         prompt_param=param)
+            engine_requests.append(er)
             prompt_texts.append(prompt if isinstance(prompt, str)
                                 else self.tokenizer.decode(list(prompt), skip_special_tokens=False))
+        reservation = self.reservation()
         gens = [self.engine.generate(prompt, er.sampling_params, er.request_id, engine_request=er,
-                                     prompt_text=text, priority=request.priority, timeout=self.timeout_for(request))
+                                     prompt_text=text, priority=request.priority, timeout=self.timeout_for(request),
+                                     reservation=reservation)
                 for prompt, er, text in zip(prompts, engine_requests, prompt_texts)]
         created = int(time.time())
         if request.stream:
             return DisconnectAwareStreamingResponse(
                 self._stream(request, gens, prompt_texts, base_id, created), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"})
+                headers={"Cache-Control": "no-cache"}, write_timeout=self.state.stream_write_timeout)
         result = await run_cancellable(raw_request, self._full(request, gens, prompt_texts, base_id, created))
         if result is None:
             return Response(status_code=499)

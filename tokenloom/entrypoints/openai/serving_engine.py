@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -20,12 +21,16 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tokenloom.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestTimeoutError
+from tokenloom.engine.async_llm import (AsyncLLM, DuplicateRequestIdError, EngineDeadError, RequestFailedError,
+                                       RequestTimeoutError)
 from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
                                                  ServiceUnavailableError, error_body)
 from tokenloom.entrypoints.openai.protocol import SamplingFields
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenloom.sampling_params import SamplingParams, SamplingParamsError
+
+
+logger = logging.getLogger("tokenloom.server")
 
 
 def random_id(prefix: str) -> str:
@@ -45,28 +50,45 @@ class ServerShuttingDownError(RuntimeError):
 
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
+# Default --max-queue-wait: with 400 concurrent 64-token requests and a 180 s client timeout (the
+# flood of issue 21) an admitted request waits at most this long and then runs ~64 decode steps
+# of a full batch (~30-40 s here), well inside the client's patience; the rest get 503 at once.
+DEFAULT_MAX_QUEUE_WAIT = 60.0
+# Default --stream-write-timeout: a client that has not taken a chunk for this long (its socket
+# and our buffers are full) has stalled; its stream ends and its connection closes.
+DEFAULT_STREAM_WRITE_TIMEOUT = 30.0
+# Characters per token assumed when estimating a prompt's size before it is tokenized.
+CHARS_PER_TOKEN_ESTIMATE = 4
 
 
 class ServerState:
     """Set by the server on shutdown: new requests get 503 while the in-flight ones drain.
 
-    Also the admission settings: at most `max_waiting_requests` sequences may wait for a
-    slot in the running batch (beyond that: 503 + Retry-After at once), and
-    `request_timeout` (seconds, None: none) caps every request's time.
+    Also the admission settings (see `OpenAIServing.admit`): `max_queue_wait` (seconds a new
+    request may be expected to wait for the engine, None: no limit), the count backstop
+    `max_waiting_requests` (sequences waiting for a slot in the running batch), `request_timeout`
+    (seconds, None: none) capping every request's time, and `stream_write_timeout`.
     """
 
     def __init__(self, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, trust_request_chat_template: bool = False,
+                 max_queue_wait: float | None = DEFAULT_MAX_QUEUE_WAIT,
+                 stream_write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT) -> None:
         self.draining = False
+        # Render a chat_template sent with a request (in a limited process); off: such requests get 400.
+        self.trust_request_chat_template = trust_request_chat_template
         self.inflight = 0
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
-        self.admitted_seqs = 0  # sequences of the generation requests admitted and not yet answered
+        self.max_queue_wait = max_queue_wait if max_queue_wait and max_queue_wait > 0 else None
+        self.stream_write_timeout = stream_write_timeout if stream_write_timeout and stream_write_timeout > 0 \
+            else None
 
 
-# Set per HTTP request by AdmissionMiddleware: admit() records there how many sequences
-# it let in, and the middleware gives them back when the response is complete (streams
-# included), so the count is exact even before the request reaches the engine.
+# Set per HTTP request by AdmissionMiddleware: admit() keeps there the engine work it reserved, and
+# the middleware drops what the engine did not take over when the response ends. Admission counts
+# the engine's open requests plus these reservations: a response still being sent to a slow client
+# no longer counts once the engine has finished it.
 _ADMISSION: ContextVar[list | None] = ContextVar("tokenloom_admission", default=None)
 
 
@@ -78,14 +100,15 @@ class AdmissionMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        holder = [0]
+        holder: list = []
         token = _ADMISSION.set(holder)
         try:
             return await self.app(scope, receive, send)
         finally:
             _ADMISSION.reset(token)
-            self.state.admitted_seqs -= holder[0]
-            holder[0] = 0
+            for reservation in holder:
+                reservation.release()
+            holder.clear()
 
 
 def engine_error_to_api_error(exc: BaseException) -> APIError:
@@ -95,6 +118,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, DuplicateRequestIdError):
+        return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
     if isinstance(exc, RequestFailedError):
         return ServerError(f"the engine failed this request: {exc}", code="engine_error")
     if isinstance(exc, RequestTimeoutError):
@@ -135,8 +160,9 @@ class OpenAIServing:
         if request.model is not None and request.model not in self.served_model_names:
             raise NotFoundError(f"The model `{request.model}` does not exist. Available: "
                                 f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
-        from tokenloom.entrypoints.openai.limits import check_request_limits
+        from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 
+        check_text(request)
         check_request_limits(request, self.engine.max_model_len)
         self.admit(request)
 
@@ -144,33 +170,69 @@ class OpenAIServing:
         if self.engine.metrics is not None:
             self.engine.metrics.observe_rejected(reason)
 
+    def _overloaded(self, reason: str, message: str, retry_after: float) -> ServiceUnavailableError:
+        self._rejected(reason)
+        retry = max(1, min(600, math.ceil(retry_after)))
+        return ServiceUnavailableError(f"{message}; retry after {retry} s", code="server_overloaded",
+                                       headers={"Retry-After": str(retry)})
+
+    def estimate_work(self, request: SamplingFields, width: int, prompts: list) -> float:
+        """Decode-equivalent tokens the request will cost the engine (before tokenizing it)."""
+        from tokenloom.engine.async_llm import PROMPT_TOKEN_WEIGHT
+
+        max_tokens = getattr(request, "effective_max_tokens", None) or request.max_tokens
+        prompt_tokens = 0
+        for p in prompts:
+            if isinstance(p, list):
+                prompt_tokens += len(p)
+            elif isinstance(p, str):
+                prompt_tokens += len(p) // CHARS_PER_TOKEN_ESTIMATE
+        for m in getattr(request, "messages", None) or ():
+            text = m.text_content()
+            prompt_tokens += len(text or "") // CHARS_PER_TOKEN_ESTIMATE
+        ctx = int(self.engine.max_model_len or 0)
+        if max_tokens is None:
+            max_tokens = max(1, ctx - prompt_tokens // max(1, len(prompts))) if ctx else 256
+        return width * len(prompts) * max_tokens + prompt_tokens * PROMPT_TOKEN_WEIGHT
+
     def admit(self, request: SamplingFields) -> None:
-        """Bounded queue: 503 + Retry-After when the new sequences would wait beyond the limit."""
-        limit = self.state.max_waiting_requests
-        if limit is None or limit < 0:
-            return
+        """Admission, answered at once: 503 + Retry-After when the request's estimated wait for the
+        engine (queued work / measured rate) exceeds --max-queue-wait or its own timeout, or when too
+        many sequences already wait for a slot (the count backstop, --max-waiting-requests)."""
         width = max(request.n or 1, getattr(request, "best_of", None) or 1)
-        prompts = request.prompts() if hasattr(request, "prompts") else [None]
-        new = width * len(prompts)
-        slots = int(self.engine.config.scheduler.max_num_seqs)
-        holder = _ADMISSION.get()
-        inflight = self.state.admitted_seqs if holder is not None else self.engine.num_inflight_seqs
-        engine_waiting = int(self.engine.engine_stats.get("num_waiting", 0) or 0)
-        waiting_after = max(inflight + new - slots, engine_waiting + new if engine_waiting else 0)
         max_n = getattr(getattr(self.engine.config, "limits", None), "max_n", None)
         if max_n is not None and width > max_n:
             return  # fails validation next, with a 400 naming n / best_of
-        # A request wider than the whole queue still gets in when nothing else is there.
-        if waiting_after > limit and (inflight > 0 or engine_waiting > 0):
-            self._rejected("queue_full")
-            retry = max(1, min(60, math.ceil(getattr(self.engine, "mean_latency", 1.0) or 1.0)))
-            raise ServiceUnavailableError(
-                f"the server is overloaded: {max(0, inflight - slots)} sequence(s) already wait for a slot "
-                f"(limit {limit}); retry after {retry} s", code="server_overloaded",
-                headers={"Retry-After": str(retry)})
+        prompts = request.prompts() if hasattr(request, "prompts") else [None]
+        new = width * len(prompts)
+        engine = self.engine
+        slots = int(engine.config.scheduler.max_num_seqs)
+        inflight = engine.num_inflight_seqs + engine.reserved_seqs
+        engine_waiting = int(engine.engine_stats.get("num_waiting", 0) or 0)
+        waiting_after = max(inflight + new - slots, engine_waiting + new if engine_waiting else 0)
+        busy = inflight > 0 or engine_waiting > 0
+        limit = self.state.max_waiting_requests
+        if limit is not None and limit >= 0 and waiting_after > limit and busy:
+            # A request wider than the whole queue still gets in when nothing else is there.
+            raise self._overloaded("queue_full", f"the server is overloaded: {max(0, inflight - slots)} sequence(s) "
+                                   f"already wait for a slot (limit {limit})", engine.mean_latency or 1.0)
+        wait = engine.load.wait_for(engine.queued_work) if waiting_after > 0 and busy else 0.0
+        max_wait = self.state.max_queue_wait
+        own = getattr(request, "timeout", None)
+        if own is not None and wait > own and (max_wait is None or own < max_wait):
+            raise self._overloaded("timeout_below_wait", f"the estimated wait of {wait:.1f} s is longer than the "
+                                   f"request's timeout of {own:g} s", wait - own)
+        if max_wait is not None and wait > max_wait:
+            raise self._overloaded("queue_wait", f"the server is overloaded: the estimated wait is {wait:.0f} s, "
+                                   f"more than the limit of {max_wait:g} s", wait - max_wait)
+        holder = _ADMISSION.get()
         if holder is not None:
-            holder[0] += new
-            self.state.admitted_seqs += new
+            holder.append(engine.reserve(new, self.estimate_work(request, width, prompts)))
+
+    def reservation(self):
+        """This HTTP request's admission reservation (None outside the server's middleware)."""
+        holder = _ADMISSION.get()
+        return holder[-1] if holder else None
 
     def timeout_for(self, request: SamplingFields) -> float | None:
         """The request's `timeout` field, capped by the server's --request-timeout."""
@@ -179,13 +241,15 @@ class OpenAIServing:
         values = [t for t in (mine, server) if t]
         return min(values) if values else None
 
-    def request_id(self, request: SamplingFields, prefix: str) -> str:
-        if request.request_id:
-            if self.engine.has_request(request.request_id) or any(
-                    self.engine.has_request(f"{request.request_id}-{i}") for i in range(2)):
-                raise BadRequestError(f"request_id {request.request_id!r} is already in use",
-                                      param="request_id", code="duplicate_request_id")
-            return request.request_id
+    def request_id(self, request: SamplingFields, prefix: str, num_prompts: int = 1) -> str:
+        """The client's request_id (400 if it, or one of its per-prompt ids `ID-i`, is in use) or a new one."""
+        rid = request.request_id
+        if rid:
+            taken = [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
+            if self.engine.has_request(rid) or any(self.engine.has_request(r) for r in taken):
+                raise BadRequestError(f"request_id {rid!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+            return rid
         return random_id(prefix)
 
     # ------------------------------------------------------------------ sampling params
@@ -351,12 +415,32 @@ async def run_cancellable(raw_request: Request, coro: Awaitable[Any]) -> Any:
     return None
 
 
+class StalledClientError(Exception):
+    """The client took no chunk of a streamed response for the write timeout."""
+
+
 class DisconnectAwareStreamingResponse(StreamingResponse):
     """Streams the body while listening for the client's disconnect, whatever the ASGI spec
-    version: on disconnect the body iterator is cancelled, which aborts the request."""
+    version: on disconnect the body iterator is cancelled, which aborts the request. A client
+    that takes no chunk for `write_timeout` seconds (it stopped reading) gets the same: the
+    stream ends and the connection closes, so it holds no server resources."""
+
+    def __init__(self, *args: Any, write_timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
-        stream_task = asyncio.ensure_future(self.stream_response(send))
+        timeout = self.write_timeout
+
+        async def timed_send(message) -> None:
+            if timeout is None:
+                return await send(message)
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise StalledClientError(f"the client read nothing for {timeout:g} s") from None
+
+        stream_task = asyncio.ensure_future(self.stream_response(timed_send))
 
         async def wait_disconnect() -> None:
             while True:
@@ -370,6 +454,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
         except asyncio.CancelledError:
             stream_task.cancel()
             watcher.cancel()
+            await self._close_body()
             raise
         if watcher in done:
             stream_task.cancel()
@@ -377,9 +462,23 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                 await stream_task
             except BaseException:  # noqa: BLE001
                 pass
-        else:
-            watcher.cancel()
-            stream_task.result()
+            await self._close_body()
+            return
+        watcher.cancel()
+        exc = stream_task.exception()
+        if isinstance(exc, StalledClientError):
+            logger.warning("ending a stalled stream: %s", exc)
+            await self._close_body()  # aborts the request in the engine now, not at garbage collection
+            return  # the server closes a connection whose response is incomplete
+        stream_task.result()
+
+    async def _close_body(self) -> None:
+        close = getattr(self.body_iterator, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except BaseException:  # noqa: BLE001 - closing only
+                pass
 
 
 def stream_error_chunk(exc: BaseException) -> str:

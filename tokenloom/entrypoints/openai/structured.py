@@ -58,7 +58,12 @@ def _constraints(request: Any) -> list[tuple[str, dict[str, Any], str]]:
             found.append((field, {key: value}, field))
     so = getattr(request, "structured_outputs", None)
     if so:
-        found.append(("structured_outputs", dict(so), None))
+        from tokenloom.structured.spec import OPTION_KEYS
+
+        if any(k not in OPTION_KEYS for k in so):
+            found.append(("structured_outputs", dict(so), None))
+        else:  # options only (e.g. any_whitespace): they apply to the JSON constraint given elsewhere
+            found = [(f, {**c, **so} if ("json" in c or "json_object" in c) else c, w) for f, c, w in found]
     return found
 
 
@@ -104,13 +109,20 @@ def template_tools(request: Any) -> list[dict[str, Any]] | None:
     return None if not tools or getattr(request, "tool_choice", None) == "none" else tools
 
 
+def _any_whitespace(request: Any) -> bool:
+    """The request's ``structured_outputs.any_whitespace`` option (free JSON whitespace; default compact)."""
+    so = getattr(request, "structured_outputs", None)
+    return isinstance(so, dict) and so.get("any_whitespace") is True
+
+
 def _tool_constraint(request: Any, parser_name: str | None) -> dict[str, Any] | None:
+    """The constraint tool_choice puts on the output: for a named function, its arguments as JSON
+    (the server writes the call around them: the model spends no tokens on the wrapper or the name
+    it was given); for ``required``, one or more complete calls in the parser's format (exactly one
+    with ``parallel_tool_calls: false``), then the end of the output."""
     mode = tool_mode(request)
     if mode in ("none", "auto"):
         return None
-    if parser_name is None:
-        raise _bad(f"tool_choice {getattr(request, 'tool_choice')!r} needs a tool-call parser (the server runs "
-                   "with --tool-call-parser none)", "tool_choice")
     functions = _functions(request)
     if mode.startswith("named:"):
         name = mode[len("named:"):]
@@ -122,9 +134,16 @@ def _tool_constraint(request: Any, parser_name: str | None) -> dict[str, Any] | 
             check_schema(fn["parameters"], fn["where"])
         except StructuredOutputError as e:
             raise _bad(e.message, e.param) from None
-    parallel = getattr(request, "parallel_tool_calls", None) is not False and not mode.startswith("named:")
+    if mode.startswith("named:"):
+        return {"json": close_objects(functions[0]["parameters"]),
+                **({"any_whitespace": True} if _any_whitespace(request) else {})}
+    if parser_name is None:
+        raise _bad(f"tool_choice {getattr(request, 'tool_choice')!r} needs a tool-call parser (the server runs "
+                   "with --tool-call-parser none)", "tool_choice")
+    parallel = getattr(request, "parallel_tool_calls", None) is not False
     specs = [{"name": f["name"], "parameters": close_objects(f["parameters"])} for f in functions]
-    return {"structural_tag": get_tool_parser(parser_name)().structural_tag(specs, parallel)}
+    return {"structural_tag": get_tool_parser(parser_name)().structural_tag(specs, parallel,
+                                                                            _any_whitespace(request))}
 
 
 async def apply_constraints(serving: Any, request: Any, params: SamplingParams, chat: bool = False
@@ -164,15 +183,24 @@ async def apply_constraints(serving: Any, request: Any, params: SamplingParams, 
 
 
 class ChatOutputParser:
-    """One choice's text -> message fields, with the server's reasoning parser and tool parser."""
+    """One choice's text -> message fields, with the server's reasoning parser and tool parser.
+
+    With a named tool_choice the (constrained) text is the call's arguments: the parser wraps it in
+    the call, whole or streamed, and the finish reason stays OpenAI's for a forced function ("stop").
+    Otherwise calls the model wrote make a "stop" finish "tool_calls" (auto and required)."""
 
     def __init__(self, request: Any, config: Any, prompt_text: str) -> None:
+        from tokenloom.structured.tool_parsers import ToolCall
+
         name = getattr(config, "reasoning_parser", None)
         self.reasoning = get_reasoning_parser(name)(prompt_text) if name else None
         mode = tool_mode(request)
+        self.named = mode[len("named:"):] if mode.startswith("named:") else None
+        self.named_call = ToolCall(self.named, "") if self.named else None
+        self.named_started = False
         tool_name = getattr(config, "tool_call_parser", None)
-        self.tools = get_tool_parser(tool_name)() if tool_name and mode != "none" else None
-        self.single = mode.startswith("named:") or getattr(request, "parallel_tool_calls", None) is False
+        self.tools = get_tool_parser(tool_name)() if tool_name and mode != "none" and not self.named else None
+        self.single = getattr(request, "parallel_tool_calls", None) is False
         self.num_calls = 0
 
     # ---- whole
@@ -181,6 +209,11 @@ class ChatOutputParser:
         content: str | None = text
         if self.reasoning is not None:
             msg["reasoning_content"], content = self.reasoning.extract(text)
+        if self.named_call is not None:
+            self.named_call.arguments = content or ""
+            msg["content"] = None
+            msg["tool_calls"] = [self.named_call.to_dict()]
+            return msg, finish_reason
         calls = []
         if self.tools is not None and content:
             content, calls = self.tools.extract(content)
@@ -204,6 +237,15 @@ class ChatOutputParser:
             reasoning, content = r1 + r2, c1 + c2
         if reasoning:
             out["reasoning_content"] = reasoning
+        if self.named_call is not None:
+            if content or (final and not self.named_started):
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": content}}
+                if not self.named_started:
+                    self.named_started = True
+                    call = {"index": 0, "id": self.named_call.id, "type": "function",
+                            "function": {"name": self.named, "arguments": content}}
+                out["tool_calls"] = [call]
+            return out
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             c1, calls = self.tools.feed(content)
@@ -221,4 +263,6 @@ class ChatOutputParser:
         return out
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
+        if self.named_call is not None:
+            return finish_reason
         return "tool_calls" if finish_reason == "stop" and self.num_calls else finish_reason

@@ -1,0 +1,196 @@
+"""Admission by expected wait (issue 21, item 1) and clients that stop reading (D3), on the real server.
+
+A reduced engine (4 slots, a short --max-queue-wait) stands in for the issue's 400-request flood: every
+request gets a clean answer at once or is admitted and finishes, none waits past the client's timeout.
+The full flood (400 requests, default flags, 180 s client timeout) is the `slow` test at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess, metric_values, wait_idle
+
+MAX_NUM_SEQS = 4
+MAX_QUEUE_WAIT = 6.0
+WRITE_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-wait", str(MAX_QUEUE_WAIT),
+                        "--max-waiting-requests", "64")
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def metrics(srv) -> dict[str, float]:
+    return metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
+
+
+async def _flood(url: str, n: int, body: dict, client_timeout: float) -> list[tuple]:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=client_timeout, limits=limits) as c:
+        async def one(i: int):
+            t0 = time.time()
+            try:
+                r = await c.post("/v1/completions", json={**body, "prompt": f"Request {i}: a story about"})
+            except httpx.TimeoutException:
+                return "timeout", time.time() - t0, None
+            return r.status_code, time.time() - t0, r
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+
+def check_flood(results: list[tuple], client_timeout: float, max_tokens: int) -> tuple[list, list]:
+    """Every answer is a 200 with the full output or a 503 with OpenAI's error shape and Retry-After."""
+    statuses = [s for s, _, _ in results]
+    assert "timeout" not in statuses, statuses
+    ok = [(dt, r) for s, dt, r in results if s == 200]
+    rejected = [(dt, r) for s, dt, r in results if s == 503]
+    assert len(ok) + len(rejected) == len(results), sorted(set(map(str, statuses)))
+    for _, r in ok:
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+    for _, r in rejected:
+        err = r.json()["error"]
+        assert err["code"] == "server_overloaded" and err["type"] == "server_error" and err["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+    assert max(dt for dt, _ in ok) < client_timeout
+    return ok, rejected
+
+
+def test_flood_gets_clean_answers_and_admitted_requests_finish(server):
+    # a short busy period first, so that the engine's rate is measured rather than assumed
+    asyncio.run(_flood(server.url, MAX_NUM_SEQS, {"max_tokens": 16, "ignore_eos": True}, 120.0))
+    before = metrics(server).get('tokenloom:request_rejected_total{reason="queue_wait"}', 0)
+    body = {"max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    client_timeout = 120.0
+    results = asyncio.run(_flood(server.url, 40, body, client_timeout))
+    ok, rejected = check_flood(results, client_timeout, 16)
+    assert len(ok) >= MAX_NUM_SEQS and rejected, (len(ok), len(rejected))
+    # rejections come at once, not after waiting in the queue
+    assert max(dt for dt, _ in rejected) < 5
+    m = wait_idle(server)
+    assert m['tokenloom:request_rejected_total{reason="queue_wait"}'] - before == len(rejected)
+
+
+def test_timeout_shorter_than_the_estimated_wait_is_refused_at_once(server):
+    """With the batch full and work queued, a request whose own timeout is below its estimated wait gets
+    503 at once (not a 504 after waiting), and one with a generous timeout is not refused for it."""
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            busy = [asyncio.ensure_future(c.post("/v1/completions", json={
+                "prompt": f"Story {i}:", "max_tokens": 32, "ignore_eos": True})) for i in range(8)]
+            await asyncio.sleep(1.5)  # admitted and running / queued
+            t0 = time.time()
+            short = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 0.5})
+            short_dt = time.time() - t0
+            long = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 100})
+            return short, short_dt, long, await asyncio.gather(*busy)
+
+    short, short_dt, long, busy = asyncio.run(main())
+    assert short.status_code == 503, short.text
+    assert short.json()["error"]["code"] == "server_overloaded" and "timeout" in short.json()["error"]["message"]
+    assert short_dt < 2 and int(short.headers["Retry-After"]) >= 1
+    # a generous timeout is not refused for it (the queue-wait limit may still apply)
+    assert long.status_code == 200 or "timeout" not in long.json()["error"]["message"], long.text
+    assert all(r.status_code in (200, 503) for r in busy)
+    m = wait_idle(server)
+    assert m['tokenloom:request_rejected_total{reason="timeout_below_wait"}'] >= 1
+
+
+def _stalled_stream(url: str, body: dict) -> socket.socket:
+    """Send a streamed request on a socket with a tiny receive buffer, and never read from it."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return s
+
+
+def _status(sock: socket.socket, timeout: float = 60.0) -> int:
+    """The response's status code, peeked (the bytes stay unread in the socket)."""
+    sock.settimeout(timeout)
+    head = b""
+    while len(head) < 12:
+        head = sock.recv(12, socket.MSG_PEEK)
+        if not head:
+            return 0
+    return int(head[9:12])
+
+
+@pytest.fixture(scope="module")
+def stall_server():
+    srv = ServerProcess("--max-num-seqs", "16", "--max-waiting-requests", "16", "--max-queue-wait", "0",
+                        "--stream-write-timeout", str(WRITE_TIMEOUT))
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def _finished(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("tokenloom:request_success_total"))
+
+
+def test_clients_that_never_read_do_not_hold_admission(stall_server):
+    """D3 (the probe's request): 2 streams of n=16 (32 sequences) whose clients never read. Each echoes its
+    ~500-token prompt with 20 logprobs per token in every choice (~5 MB, more than the socket buffers
+    hold), so the server's writes block. The write timeout ends both streams (their engine requests are
+    aborted and their connections closed), and a request of n=4 (32 + 4 > 16 slots + 16 waiting under
+    the old count of unsent responses) is admitted while the stalled sockets are still open."""
+    server = stall_server
+    prompt = "The history of the city is long and old. " * 50
+    body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 4,
+            "ignore_eos": True}
+    before = _finished(metrics(server))
+    socks = [_stalled_stream(server.url, body) for _ in range(2)]
+    try:
+        assert [_status(s) for s in socks] == [200, 200]
+        deadline = time.time() + 120
+        while _finished(m := metrics(server)) - before < 2:  # both ended in the engine; nobody read
+            assert time.time() < deadline, {k: v for k, v in m.items() if "request" in k}
+            time.sleep(0.2)
+        wait_idle(server, timeout=60)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4}, timeout=60)
+        assert r.status_code == 200, r.text  # before the fix: 503 for as long as the sockets stayed open
+        # the stalled streams were cut off: each connection reaches EOF after what was already sent
+        for s in socks:
+            s.settimeout(WRITE_TIMEOUT + 30)
+            received = b""
+            while True:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200")
+            assert b"data: [DONE]" not in received, len(received)
+    finally:
+        for s in socks:
+            s.close()
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_full_flood_default_flags():
+    """The issue's flood: 400 concurrent 64-token completions, client timeout 180 s, default flags (no
+    harness limits): 400 clean answers, nothing admitted times out."""
+    srv = ServerProcess(base_args=[])
+    try:
+        results = asyncio.run(_flood(srv.url, 400, {"max_tokens": 64, "ignore_eos": True}, 180.0))
+        ok, rejected = check_flood(results, 180.0, 64)
+        print(f"flood: {len(ok)} answered 200 (slowest {max(dt for dt, _ in ok):.0f} s), "
+              f"{len(rejected)} got 503 (slowest {max((dt for dt, _ in rejected), default=0):.1f} s)")
+    finally:
+        srv.terminate()
