@@ -257,6 +257,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
+    opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")
