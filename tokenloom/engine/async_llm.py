@@ -42,9 +42,12 @@ _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetitio
 # A prompt token costs about a fifth of an output token at full batch on the CPU path: prefill runs
 # at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (PERFORMANCE.md, this machine).
 PROMPT_TOKEN_WEIGHT = 0.2
-# Output tokens/s assumed before the engine has been measured: below the batched serving rate measured
-# here (164.8 output tokens/s, PERFORMANCE.md), so the first flood is admitted conservatively.
-DEFAULT_OUTPUT_RATE = 100.0
+# Output tokens/s assumed before the engine has been measured (a flood that arrives at once is admitted
+# on this alone): a quarter of the batched serving rate measured here unloaded (164.8 output tokens/s,
+# PERFORMANCE.md). With 100, a cold flood of 400 x 64 tokens admitted 92 requests, which took 96 s on a
+# quiet machine and timed out (> 180 s) with other work on its 2 cores; too high a guess fails requests,
+# too low one only refuses (503) more of the first burst until the rate is measured.
+DEFAULT_OUTPUT_RATE = 40.0
 # The measured rate is a moving average over about this many seconds of busy engine time.
 RATE_WINDOW_S = 10.0
 
