@@ -208,3 +208,4 @@ def test_n_siblings_speculate_independently(make_core):
     got, want = run(on), run(off)
     assert got == want and len(got) == 3
     assert on.stats()["spec_num_drafts"] > 0
+
