@@ -209,3 +209,25 @@ def test_n_siblings_speculate_independently(make_core):
     assert got == want and len(got) == 3
     assert on.stats()["spec_num_drafts"] > 0
 
+
+
+def test_engine_stats_become_vllm_spec_decode_counters(make_core):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tokenloom.bench.serve import SPEC_COUNTERS
+    from tokenloom.engine.core import spec_summary
+    from tokenloom.metrics import ServerMetrics
+    on = make_core(speculative_config=NGRAM)
+    generate_tokens(on, PROMPTS, greedy_params(max_tokens=20))
+    stats = on.stats()
+    registry = CollectorRegistry()
+    metrics = ServerMetrics("m", registry=registry, prefix="tokenloom:")
+    metrics.observe_engine_stats(stats)
+    text = generate_latest(registry).decode()
+    for name in SPEC_COUNTERS:
+        key = name.replace("spec_decode_", "spec_")
+        assert f'tokenloom:{name}_total{{model_name="m"}} {float(stats[key])}' in text
+    assert f'tokenloom:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+           f'{float(stats["spec_num_accepted_tokens_per_pos"][0])}' in text
+    assert stats["spec_num_accepted_tokens_per_pos"][0] >= stats["spec_num_accepted_tokens_per_pos"][-1]
+    assert "acceptance rate" in spec_summary(stats) and "mean accepted length" in spec_summary(stats)
