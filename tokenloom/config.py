@@ -216,7 +216,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config must be a JSON object (got {type(value).__name__})")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
-        _check(not unknown, f"unknown speculative_config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        _check(not unknown, f"unknown speculative_config key(s): {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
         return cls(**value)
 
 

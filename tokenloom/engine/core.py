@@ -181,6 +181,7 @@ def spec_summary(stats: dict) -> str:
     accepted = stats.get("spec_num_accepted_tokens", 0)
     rate = accepted / tokens if tokens else 0.0
     mean_len = 1 + accepted / drafts if drafts else 0.0
-    per_pos = ", ".join(f"{c / drafts:.2f}" for c in stats.get("spec_num_accepted_tokens_per_pos", [])) if drafts else ""
+    per_pos = ", ".join(f"{c / drafts:.2f}" for c in stats.get("spec_num_accepted_tokens_per_pos", [])
+                        ) if drafts else ""
     return (f"acceptance rate {100 * rate:.1f}%, mean accepted length {mean_len:.2f}, drafts {drafts}, "
             f"draft tokens {tokens}, accepted {accepted}, per-position acceptance [{per_pos}]")
