@@ -6,6 +6,7 @@ Every option is also settable through an environment variable
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -174,6 +175,52 @@ class LimitsConfig:
             _check(getattr(self, f.name) >= 0, f"{f.name} must be >= 0 (got {getattr(self, f.name)})")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's --speculative-config: which proposer drafts tokens and how many the target verifies per step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1  # shortest n-gram matched against the request's own tokens
+    prompt_lookup_max: int = 4  # longest n-gram tried first
+    disable_by_batch_size: int | None = None  # no speculation while more requests than this run
+    model: str | None = None  # draft model (method "draft_model"; not implemented yet)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ConfigError("speculative method 'draft_model' is not implemented yet (use 'ngram')")
+        _check(self.method in SPEC_METHODS,
+               f"speculative method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+               f"num_speculative_tokens must be in 1..16 (got {self.num_speculative_tokens!r})")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"need 1 <= prompt_lookup_min <= prompt_lookup_max (got {self.prompt_lookup_min}, "
+               f"{self.prompt_lookup_max})")
+        _check(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+               f"disable_by_batch_size must be >= 1 (got {self.disable_by_batch_size})")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the CLI flag), an instance or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object (got {type(value).__name__})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, f"unknown speculative_config key(s): {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,8 +233,10 @@ class EngineConfig:
     # and the tool-call format the server parses (tokenloom.structured.tool_parsers).
     reasoning_parser: str | None = None
     tool_call_parser: str | None = "hermes"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.reasoning_parser is not None:
             from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
@@ -221,6 +270,8 @@ class EngineConfig:
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
+        if getattr(ns, "speculative_config", None):
+            kwargs["speculative_config"] = ns.speculative_config
         for name in ("reasoning_parser", "tool_call_parser"):
             if getattr(ns, name, None) is not None:
                 kwargs[name] = None if ns.__dict__[name] == "none" else ns.__dict__[name]
@@ -284,6 +335,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("reasoning_parser", str, "split <think>...</think> into reasoning_content: think | qwen3 | deepseek_r1 "
         "(structured-output constraints then apply after the reasoning)")
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")
+    opt("speculative_config", str, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}')
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

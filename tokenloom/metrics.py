@@ -100,6 +100,13 @@ class ServerMetrics:
         self.gpu_prefix_cache_hits = counter("gpu_prefix_cache_hits",
                                              "Deprecated name of prefix_cache_hits (kept for dashboards).")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verify spans (one per "
+                                              "sequence and step that carried drafts).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.", labels + ["position"],
+                                     registry=r)
         self.kv_cache_used_blocks = gauge("kv_cache_used_blocks",
                                           "KV-cache blocks held by requests (0 when the engine is idle).")
         self.engine_restarts = counter("engine_restarts", "Times the EngineCore process was restarted.")
@@ -169,7 +176,10 @@ class ServerMetrics:
             self.kv_cache_used_blocks.set(stats["kv_blocks_used"])
         for key, metrics in (("prefix_cache_queries", (self.prefix_cache_queries, self.gpu_prefix_cache_queries)),
                              ("prefix_cache_hits", (self.prefix_cache_hits, self.gpu_prefix_cache_hits)),
-                             ("num_preemptions", (self.num_preemptions,))):
+                             ("num_preemptions", (self.num_preemptions,)),
+                             ("spec_num_drafts", (self.spec_decode_num_drafts,)),
+                             ("spec_num_draft_tokens", (self.spec_decode_num_draft_tokens,)),
+                             ("spec_num_accepted_tokens", (self.spec_decode_num_accepted_tokens,))):
             value = stats.get(key)
             if value is None:
                 continue
@@ -177,6 +187,12 @@ class ServerMetrics:
             if value > last:
                 for metric in metrics:
                     metric.inc(value - last)
+            self._engine_counters[key] = max(last, float(value))
+        for pos, value in enumerate(stats.get("spec_num_accepted_tokens_per_pos") or ()):
+            key = f"spec_per_pos_{pos}"
+            last = self._engine_counters.get(key, 0.0)
+            if value > last:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(value - last)
             self._engine_counters[key] = max(last, float(value))
 
     def reset_engine_counters(self) -> None:

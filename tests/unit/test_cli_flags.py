@@ -33,8 +33,8 @@ def test_unsupported_flag_message_says_what_is_missing():
 
 
 def test_unsupported_flag_is_refused_on_generate_too():
-    with pytest.raises(ConfigError, match="--speculative-config"):
-        parse("generate", "hi", "--speculative-config", "{}")
+    with pytest.raises(ConfigError, match="--speculative-model"):
+        parse("generate", "hi", "--speculative-model", "x")
 
 
 def test_served_model_name_takes_several_names_and_keeps_the_model_positional():

@@ -135,3 +135,17 @@ def test_two_nodes_launched_apart_form_one_group_with_the_output_of_one(cores, t
     finally:
         node1.kill()
     assert got == helpers.generate_tokens(cores("llama", 1), PROMPTS, greedy_params(8))
+
+
+def test_tp2_with_speculative_decoding_matches_tp1_without(cores, tiny_models):
+    """Every rank verifies the same drafts (they travel in the step contract); rank 0 alone samples."""
+    core = _core(tiny_models("llama")[0], tensor_parallel_size=2,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        prompts = [[5, 6, 7, 8] * 5, [11, 12, 13] * 6]
+        params = greedy_params(16)
+        assert helpers.generate_tokens(core, prompts, params) == helpers.generate_tokens(cores("llama", 1), prompts,
+                                                                                        params)
+        assert core.stats()["spec_num_drafts"] > 0
+    finally:
+        core.shutdown()

@@ -1,4 +1,4 @@
-"""Prompt sets for `tokenloom bench serve`: random, shared-prefix, jsonl and ShareGPT.
+"""Prompt sets for `tokenloom bench serve`: random, shared-prefix, repetitive, jsonl and ShareGPT.
 
 Prompts are built from common English words picked at random, one word being about one
 token for most BPE tokenizers. ``tokens_per_word`` (measured against the server's
@@ -76,6 +76,42 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
     outs = sample_lengths(rng, output_len, range_ratio, num_prompts)
     return [BenchPrompt(prompt=random_text(rng, i, tokens_per_word), output_len=o, input_len=i)
             for i, o in zip(ins, outs)]
+
+
+_NAMES = ("total", "count", "value", "item", "result", "index", "size", "limit", "offset", "score", "weight",
+          "price", "amount", "level", "depth", "width", "height", "length", "speed", "rate")
+_OPS = ("+", "-", "*")
+
+
+def _code_snippet(rng: random.Random, lines: int) -> tuple[str, str, str]:
+    """A small Python function of about `lines` statements; returns (code, a name in it, a new name)."""
+    names = rng.sample(_NAMES, 4)
+    func = f"{rng.choice(('compute', 'update', 'merge', 'scale', 'check'))}_{names[0]}"
+    body = [f"def {func}({names[1]}, {names[2]}):", f"    {names[3]} = 0"]
+    for i in range(lines):
+        a, b = rng.sample(names[1:], 2)
+        if i % 3 == 2:
+            body.append(f"    if {a} > {rng.randint(1, 99)}:")
+            body.append(f"        {names[3]} = {names[3]} {rng.choice(_OPS)} {b}")
+        else:
+            body.append(f"    {a} = {a} {rng.choice(_OPS)} {b} {rng.choice(_OPS)} {rng.randint(1, 9)}")
+    body.append(f"    return {names[3]}")
+    new = rng.choice([n for n in _NAMES if n not in names])
+    return "\n".join(body) + "\n", names[3], new
+
+
+def repetitive_dataset(num_prompts: int, output_len: int, seed: int = 0, lines: int = 8) -> list[BenchPrompt]:
+    """"Repeat this code with one change": a generated Python function, then the start of its copy with one
+    variable renamed. The answer mostly repeats the prompt, the workload where n-gram speculation pays
+    (vLLM's and llama.cpp's prompt-lookup benchmarks use the same kind of edit-the-code requests)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        code, old, new = _code_snippet(rng, lines)
+        prompt = (f"Here is a Python function:\n```python\n{code}```\n\n"
+                  f"The same function with the variable `{old}` renamed to `{new}`:\n```python\n")
+        out.append(BenchPrompt(prompt=prompt, output_len=output_len, input_len=len(prompt) // 3))
+    return out
 
 
 def shared_prefix_dataset(num_prompts: int, num_groups: int, prefix_len: int, input_len: int, output_len: int,

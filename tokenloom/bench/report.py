@@ -164,6 +164,13 @@ def format_summary(s: dict[str, Any], title: str = "Serving benchmark") -> str:
         row(f"Mean {key.upper()} (ms):", d["mean"])
         for q in PERCENTILES:
             row(f"P{q} {key.upper()} (ms):", d[f"p{q}"])
+    if s.get("spec_decode_num_drafts"):
+        lines.append(f"{' Speculative Decoding ':-^{w + 16}}")
+        row("Acceptance rate (%):", 100 * s["spec_decode_acceptance_rate"])
+        row("Acceptance length:", s["spec_decode_mean_accepted_length"])
+        row("Drafts:", int(s["spec_decode_num_drafts"]))
+        row("Draft tokens:", int(s["spec_decode_num_draft_tokens"]))
+        row("Accepted tokens:", int(s["spec_decode_num_accepted_tokens"]))
     if s.get("usage_missing"):
         lines.append(f"note: {s['usage_missing']} response(s) had no usage; their output tokens are chunk counts")
     if s.get("first_error"):

@@ -52,7 +52,7 @@ def _concurrency_list(text: str) -> list[int]:
 
 # vLLM's --dataset-name values -> ours.
 DATASET_NAMES = {"random": "random", "shared-prefix": "shared-prefix", "prefix_repetition": "shared-prefix",
-                 "jsonl": "jsonl", "custom": "jsonl", "sharegpt": "sharegpt"}
+                 "jsonl": "jsonl", "custom": "jsonl", "sharegpt": "sharegpt", "repetitive": "repetitive"}
 # vLLM's --backend values and --endpoint paths -> our endpoint names.
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 ENDPOINT_PATHS = {"completions": "completions", "chat": "chat", "/v1/completions": "completions",
@@ -107,7 +107,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", "--dataset-name", dest="dataset", type=_choice(DATASET_NAMES, "dataset"),
                    default="random", help="random | shared-prefix (vLLM: prefix_repetition) | jsonl (vLLM: custom) | "
-                                          "sharegpt; default random")
+                                          "sharegpt | repetitive (repeat a code snippet with one change: "
+                                          "where speculative decoding pays); default random")
     d.add_argument("--num-prompts", type=_positive_int, default=100)
     d.add_argument("--input-len", "--random-input-len", "--prefix-repetition-suffix-len", dest="input_len",
                    type=int, default=256, help="prompt tokens (shared-prefix: tokens after the prefix); default 256")
@@ -239,6 +240,8 @@ def build_prompts(ns: argparse.Namespace, tokens_per_word: float) -> list[BenchP
     if ns.dataset == "shared-prefix":
         return datasets.shared_prefix_dataset(ns.num_prompts, ns.num_groups, ns.prefix_len, ns.input_len,
                                               ns.output_len, ns.range_ratio, ns.seed, tokens_per_word)
+    if ns.dataset == "repetitive":
+        return datasets.repetitive_dataset(ns.num_prompts, ns.output_len, ns.seed)
     if ns.dataset == "sharegpt":
         # Real text runs about 1.3 tokens a word; the calibration measures the random words only.
         return datasets.sharegpt_dataset(ns.dataset_path, ns.num_prompts, ns.sharegpt_output_len, ns.seed)
@@ -396,6 +399,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
             bad = [r for r in wres if not r.success]
             print(f"warm-up: {len(wres) - len(bad)}/{len(wres)} requests succeeded"
                   + (f" (first error: {bad[0].error})" if bad else ""), file=sys.stderr)
+        spec_before = fetch_spec_counters(root, headers)
         results, duration = asyncio.run(run_load(
             prompts, api=api, endpoint=ns.endpoint, model=model, max_concurrency=c,
             request_rate=ns.request_rate, burstiness=ns.burstiness, seed=ns.seed, ignore_eos=ns.ignore_eos,
@@ -403,6 +407,9 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
             progress=not ns.disable_tqdm, desc=f"concurrency {c if c else 'inf'}"))
         s = report.summarize(results, duration, slo, max_concurrency=c, request_rate=ns.request_rate,
                              burstiness=ns.burstiness)
+        spec_after = fetch_spec_counters(root, headers)
+        if spec_before is not None and spec_after is not None:
+            s.update(spec_decode_stats(spec_before, spec_after))
         runs.append(s)
         details.append(report.requests_detail(results))
         print(report.format_summary(s), flush=True)
@@ -419,6 +426,40 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
             json.dump(_json_safe(doc), f, indent=2)
         print(f"results written to {ns.json_path}", file=sys.stderr)
     return 0 if all(s["failed"] == 0 for s in runs) else 1
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def fetch_spec_counters(root: str, headers: dict) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from /metrics (vLLM's names), or None without speculation
+    or without a /metrics endpoint."""
+    try:
+        text = httpx.get(root + "/metrics", headers=headers, timeout=10.0, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for name in SPEC_COUNTERS:
+            for prefix in ("tokenloom:", "vllm:"):
+                if line.startswith(prefix + name + "_total") or line.startswith(prefix + name + "{"):
+                    if line.startswith(prefix + name + "_per_pos"):
+                        continue
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found or None
+
+
+def spec_decode_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Acceptance rate and mean accepted length (tokens per verify span, the bonus token included) over a run."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    drafts, tokens, accepted = (d["spec_decode_num_drafts"], d["spec_decode_num_draft_tokens"],
+                                d["spec_decode_num_accepted_tokens"])
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / tokens if tokens else float("nan"),
+            "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else float("nan")}
 
 
 def _json_safe(obj: Any) -> Any:

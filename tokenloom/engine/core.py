@@ -14,7 +14,7 @@ from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.scheduler import Scheduler, engine_output
 from tokenloom.structured.engine import StructuredEngine
-from tokenloom.structured.matcher import bitmask_row
+from tokenloom.structured.matcher import bitmask_row, draft_bitmasks
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -33,7 +33,8 @@ class EngineCore:
         self.max_model_len = self.info.max_model_len
         self.kv_manager = KVCacheManager(self.info.num_blocks, self.info.block_size,
                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
+                                   speculative=config.speculative_config)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
         self.counters = {"prompt_tokens": 0, "steps": 0, "batched_tokens": 0}
@@ -105,10 +106,32 @@ class EngineCore:
         """The allowed next tokens of every constrained sequence that samples this step."""
         for key, n in step.num_scheduled_tokens.items():
             r = self.scheduler.requests[key]
-            if r.structured is not None and r.num_computed_tokens + n == r.num_tokens:
+            drafts = step.spec_token_ids.get(key)
+            if drafts and r.structured is not None:
+                self._constrain_drafts(step, r, drafts)
+            elif r.structured is not None and r.num_computed_tokens + n == r.num_tokens:
                 row = bitmask_row(r.structured, self.info.vocab_size)
                 if row is not None:
                     step.grammar_bitmask[key] = row
+
+    def _constrain_drafts(self, step: SchedulerOutput, r, drafts: list[int]) -> None:
+        """A constrained sequence verifies only the drafts its grammar allows, each position under its own
+        bitmask; drafts the grammar would reject are dropped before the forward (they could never be accepted)."""
+        result = draft_bitmasks(r.structured, drafts, self.info.vocab_size)
+        kept = result[1] if result is not None else 0
+        if kept < len(drafts):
+            step.num_scheduled_tokens[r.key] = 1 + kept
+            r.spec_token_ids = drafts[:kept]
+            if kept:
+                step.spec_token_ids[r.key] = r.spec_token_ids
+            else:
+                del step.spec_token_ids[r.key]
+        if kept and any(m is not None for m in result[0]):
+            step.spec_grammar_bitmask[r.key] = result[0]
+        elif not kept:
+            row = bitmask_row(r.structured, self.info.vocab_size)
+            if row is not None:
+                step.grammar_bitmask[r.key] = row
 
     # ---- observability ----------------------------------------------------------
     def stats(self) -> dict:
@@ -123,8 +146,17 @@ class EngineCore:
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "generation_tokens": self.scheduler.num_generation_tokens,
+            **self._spec_stats(),
             **self.counters,
         }
+
+    def _spec_stats(self) -> dict:
+        s = self.scheduler
+        if s.proposer is None:
+            return {}
+        return {"spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+                "spec_num_accepted_tokens_per_pos": list(s.spec_num_accepted_tokens_per_pos)}
 
     def _maybe_log(self, tokens: int) -> None:
         interval = self.config.log_stats_interval
@@ -137,4 +169,19 @@ class EngineCore:
         logger.info("engine: %.1f tokens/s, running %d, waiting %d, KV usage %.1f%%, prefix cache hit rate %.1f%%",
                     self._log_tokens / (now - self._last_log), s["num_running"], s["num_waiting"],
                     100 * s["kv_cache_usage"], 100 * hit)
+        if "spec_num_drafts" in s:
+            logger.info("speculative decoding: %s", spec_summary(s))
         self._last_log, self._log_tokens = now, 0
+
+
+def spec_summary(stats: dict) -> str:
+    """vLLM's figures: draft acceptance rate, mean accepted length (tokens per verify span, the bonus
+    token included), and the acceptance rate per draft position."""
+    drafts, tokens = stats.get("spec_num_drafts", 0), stats.get("spec_num_draft_tokens", 0)
+    accepted = stats.get("spec_num_accepted_tokens", 0)
+    rate = accepted / tokens if tokens else 0.0
+    mean_len = 1 + accepted / drafts if drafts else 0.0
+    per_pos = ", ".join(f"{c / drafts:.2f}" for c in stats.get("spec_num_accepted_tokens_per_pos", [])
+                        ) if drafts else ""
+    return (f"acceptance rate {100 * rate:.1f}%, mean accepted length {mean_len:.2f}, drafts {drafts}, "
+            f"draft tokens {tokens}, accepted {accepted}, per-position acceptance [{per_pos}]")

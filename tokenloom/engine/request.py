@@ -51,6 +51,7 @@ class Request:
         self.sent_to_workers = False
         self.sent_tokens = 0  # token_ids[:sent_tokens] are known to the workers
         self.sent_blocks = 0  # block_ids[:sent_blocks] likewise
+        self.spec_token_ids: list[int] = []  # drafts scheduled this step (speculative decoding)
         self.resend_blocks = False  # the block table changed wholesale (preempted, forked): send it all
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0

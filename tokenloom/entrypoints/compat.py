@@ -21,8 +21,9 @@ from tokenloom.config import ConfigError, env_default
 # flag -> why it is refused. Each spelling vLLM or llama.cpp uses is listed.
 UNSUPPORTED: dict[tuple[str, ...], str] = {
     ("--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--lora"): "LoRA is not supported yet",
-    ("--speculative-config", "--speculative-model", "--num-speculative-tokens", "--model-draft", "-md"):
-        "speculative decoding is not supported yet",
+    ("--speculative-model", "--num-speculative-tokens", "--model-draft", "-md"):
+        "draft-model speculation is not supported yet; n-gram speculation is --speculative-config "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported",
     ("--data-parallel-size", "-dp"): "data parallelism is not supported; run one server per device",
     ("--cpu-offload-gb",): "CPU offload of weights is not supported",

@@ -55,6 +55,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward
     # Sampling rows constrained by a grammar: key -> int32 bitmask over the vocabulary, as bytes.
     grammar_bitmask: dict[str, bytes] = {}
+    # Speculative decoding: key -> draft tokens to verify after the sequence's last token. Such a key's
+    # num_scheduled_tokens is 1 + len(drafts) and it samples at every one of those positions.
+    spec_token_ids: dict[str, list[int]] = {}
+    # Constrained speculative rows: one bitmask (or None) per position, 1 + len(drafts) of them.
+    spec_grammar_bitmask: dict[str, list[bytes | None]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -69,11 +74,13 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         workers apply them once."""
         return msgspec.structs.replace(
             self, num_scheduled_tokens={k: self.num_scheduled_tokens[k] for k in keys},
-            grammar_bitmask={k: v for k, v in self.grammar_bitmask.items() if k in keys})
+            grammar_bitmask={k: v for k, v in self.grammar_bitmask.items() if k in keys},
+            spec_token_ids={k: v for k, v in self.spec_token_ids.items() if k in keys},
+            spec_grammar_bitmask={k: v for k, v in self.spec_grammar_bitmask.items() if k in keys})
 
 
 class SampledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one sequence sampled in one step: several tokens once speculation lands, one today."""
+    """What one sequence sampled in one step: one token, or with speculation the accepted drafts and one more."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them

@@ -16,6 +16,7 @@ from tokenloom.executor.request_state import RequestState
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
+from tokenloom.spec_decode.rejection_sampler import accept_deterministic
 from tokenloom.structured.matcher import apply_token_bitmask
 
 
@@ -64,7 +65,7 @@ class ModelRunner:
         # Decodes first, shortest context first, so each attention group pads only to its own longest.
         scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            input_ids, positions, meta, logit_rows = self._prepare(scheduled)
+            input_ids, positions, meta, logit_rows = self._prepare(scheduled, step.spec_token_ids)
         with PROFILER.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if not logit_rows:
@@ -74,7 +75,7 @@ class ModelRunner:
         out = None
         if logits is not None:  # the first rank; the others only contributed their share of the vocabulary
             with PROFILER.section("sampling"):
-                out = self._sample(logit_rows, logits, step.grammar_bitmask)
+                out = self._sample(logit_rows, logits, step)
         self._fork_sampled(logit_rows)
         return out
 
@@ -85,7 +86,7 @@ class ModelRunner:
                 for child in r.fork():
                     self.requests[child.key] = child
 
-    def _prepare(self, scheduled: list[tuple[RequestState, int]]):
+    def _prepare(self, scheduled: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -96,7 +97,11 @@ class ModelRunner:
             start = r.num_computed_tokens
             end = start + n
             first = len(ids)
-            ids.extend(r.token_ids[start:end])
+            drafts = spec_token_ids.get(r.key)
+            if drafts:  # a verify span: the last token and the drafts, causal like a short prefill chunk
+                ids.extend(r.token_ids[start:] + drafts)
+            else:
+                ids.extend(r.token_ids[start:end])
             pos.extend(range(start, end))
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -104,7 +109,9 @@ class ModelRunner:
             if r.params.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
                 upto = min(end, r.num_prompt_tokens - 1)
                 logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
-            if end == len(r.token_ids):  # every known token's KV is computed: sample the next one
+            if drafts:  # sample after the last token and after each draft
+                logit_rows.extend((r, first + j, True) for j in range(n))
+            elif end == len(r.token_ids):  # every known token's KV is computed: sample the next one
                 logit_rows.append((r, len(ids) - 1, True))
         vocab_size = self.model.config.vocab_size
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
@@ -121,22 +128,38 @@ class ModelRunner:
             return t
         return t[torch.tensor(rows, device=self.device)]
 
-    def _sample(self, logit_rows, logits: torch.Tensor, bitmasks: dict[str, bytes]) -> ModelRunnerOutput:
+    def _sample(self, logit_rows, logits: torch.Tensor, step: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
+        bitmasks, spec = step.grammar_bitmask, step.spec_token_ids
         prompt_rows: dict[str, tuple[RequestState, list[int]]] = {}
         sample_idx: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[RequestState] = []
+        masks: list[bytes | None] = []
+        positions: dict[str, int] = {}  # spec keys: rows seen so far
         for i, (r, _, samples) in enumerate(logit_rows):
             if not samples:
                 prompt_rows.setdefault(r.key, (r, []))[1].append(i)
                 continue
             params = replace(r.params, logprobs=0) if r.needs_logprob and r.params.logprobs is None else r.params
+            drafts = spec.get(r.key)
+            if drafts:
+                # Position j samples as the plain decode would after drafts[:j] (penalties, min_tokens, bad words).
+                j = positions.get(r.key, 0)
+                positions[r.key] = j + 1
+                sample_idx.append(i)
+                rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids + drafts[:j], r.generators[0],
+                                        r.bad_words_token_ids, r.eos_token_ids))
+                owners.append(r)
+                spec_masks = step.spec_grammar_bitmask.get(r.key)
+                masks.append(spec_masks[j] if spec_masks else None)
+                continue
             for g in r.generators:
                 sample_idx.append(i)
                 rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids, g,
                                         r.bad_words_token_ids, r.eos_token_ids))
                 owners.append(r)
+                masks.append(bitmasks.get(r.key))
         for r, idx in prompt_rows.values():
             start = r.num_computed_tokens
             targets = torch.tensor(r.token_ids[start + 1:start + 1 + len(idx)], device=self.device)
@@ -144,9 +167,12 @@ class ModelRunner:
             out.prompt_logprobs[r.key] = _pack(*compute_prompt_logprobs(logits[idx], targets, k), k)
         if not rows:
             return out
+        # Seeded speculative rows draw K+1 noise vectors; keep the generator's state to replay only the used ones.
+        saved = {k: self.requests[k].generators[0].get_state() for k in positions
+                 if self.requests[k].generators[0] is not None}
         sample_logits = self._rows(logits, sample_idx)
-        if bitmasks:
-            apply_token_bitmask(sample_logits, [bitmasks.get(r.key) for r in owners])
+        if any(m is not None for m in masks):
+            apply_token_bitmask(sample_logits, masks)
         sampled = self.sampler(sample_logits, rows)
         packed = None
         if sampled.logprobs is not None:
@@ -154,8 +180,33 @@ class ModelRunner:
         for j, (r, token) in enumerate(zip(owners, sampled.token_ids.tolist())):
             k = rows[j].params.logprobs
             logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
+            if r.key in positions and r.key in out.sampled:  # a later position of a verify span
+                seq = out.sampled[r.key][0]
+                seq.token_ids.append(token)
+                if logprobs:
+                    seq.logprobs.extend(logprobs)
+                continue
             out.sampled.setdefault(r.key, []).append(SampledSequence([token], logprobs))
+        for key in positions:
+            seq = out.sampled[key][0]
+            accepted = accept_deterministic(spec[key], seq.token_ids)
+            del seq.token_ids[accepted + 1:]
+            if seq.logprobs:
+                del seq.logprobs[accepted + 1:]
+            if key in saved:
+                self._replay_draws(self.requests[key], saved[key], accepted + 1, logits.shape[1])
         return out
+
+    def _replay_draws(self, r: RequestState, state: torch.Tensor, used: int, vocab: int) -> None:
+        """Leave a seeded generator as if only `used` positions had drawn (one Exp(1) vector each, as
+        `Sampler._draw` does), so a seeded request continues exactly as with speculation off."""
+        g = r.generators[0]
+        g.set_state(state)
+        if r.params.is_greedy:
+            return
+        scratch = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        for _ in range(used):
+            scratch.exponential_(generator=g)
 
 
 def _pack(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k: int) -> list[TokenLogprobs]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from tokenloom.config import SchedulerConfig
+from tokenloom.config import SchedulerConfig, SpeculativeConfig
 from tokenloom.engine.messages import EngineCoreOutput
 from tokenloom.engine.request import Request, RequestStatus
 from tokenloom.executor.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -22,7 +22,7 @@ class Scheduler:
     ones in (priority, arrival) order, within max_num_batched_tokens and max_num_seqs."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 prefix_reorder_window: int = 8):
+                 prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -35,6 +35,17 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.prefix_reorder_window = prefix_reorder_window
+        self.speculative = speculative
+        self.proposer = None
+        if speculative is not None:
+            from tokenloom.spec_decode.proposer import make_proposer
+            self.proposer = make_proposer(speculative)
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        # vLLM's spec_decode counters: steps that verified drafts, drafts verified, drafts accepted, per position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_tokens_per_pos = [0] * k
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -75,10 +86,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         preempted = False
+        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None or
+                                                   len(self.running) <= self.speculative.disable_by_batch_size)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            req.spec_token_ids = self._propose(req, budget) if speculate and remaining == 1 else []
+            n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget)
             while not self.kv.allocate(req, n):
                 victim = max(self.running, key=Request.sort_key)
                 victim_index = self.running.index(victim)
@@ -135,6 +150,8 @@ class Scheduler:
         self.pending_copies, self.finished_keys = [], []
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
+            if req.spec_token_ids:
+                out.spec_token_ids[req.key] = req.spec_token_ids
             if not req.sent_to_workers:
                 out.new_requests.append(NewRequestData(
                     key=req.key, request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -150,6 +167,16 @@ class Scheduler:
                     replace_block_ids=req.resend_blocks))
             req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
         return out
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding sequence, no more than its token budget, max_tokens and the context allow
+        (a step never computes past what the sequence could still emit)."""
+        k = min(self.speculative.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens - 1)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        if k <= 0 or req.pending_forks:
+            return []
+        return self.proposer.propose(req.token_ids, k)
 
     def _preempt_for_priority(self, req: Request, scheduled: list[tuple[Request, int]]) -> int | None:
         """Make room for a waiting request by preempting the lowest-priority running one, if that one has a
@@ -190,6 +217,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.resend_blocks = True
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         if req.prompt_logprobs is not None and req.num_output_tokens == 0:
             req.prompt_logprobs = [None]  # the recompute reports the prompt's positions again
@@ -230,12 +258,16 @@ class Scheduler:
             if r is None:
                 continue
             r.num_computed_tokens += n
-            self.kv.cache_computed_blocks(r)
+            drafts = step.spec_token_ids.get(key)
+            if drafts is None:
+                self.kv.cache_computed_blocks(r)
             prompt_logprobs = result.prompt_logprobs.get(key)
             if prompt_logprobs and r.prompt_logprobs is not None:
                 r.prompt_logprobs.extend(prompt_logprobs)
             sampled = result.sampled.get(key)
             if not sampled:
+                if drafts is not None:  # nothing verified (cannot happen on a healthy step): recompute them
+                    r.num_computed_tokens -= len(drafts)
                 continue
             sequences = [r] + (self.fork(r) if r.pending_forks else [])
             for seq, sample in zip(sequences, sampled):
@@ -244,7 +276,28 @@ class Scheduler:
                     outputs.append(self._append(seq, token, logprobs, now, max_model_len))
                     if seq.is_finished:
                         break
+            if drafts is not None:
+                self._settle_drafts(r, drafts, len(sampled[0].token_ids) - 1)
         return outputs
+
+    def _settle_drafts(self, r: Request, drafts: list[int], accepted: int) -> None:
+        """After verification: count, keep the KV of the accepted drafts only, release blocks that held
+        rejected drafts alone."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_num_accepted_tokens_per_pos[pos] += 1
+        r.num_computed_tokens -= len(drafts) - accepted
+        r.spec_token_ids = []
+        if r.is_finished:
+            return
+        self.kv.cache_computed_blocks(r)
+        keep = -(-r.num_tokens // self.kv.block_size)
+        if len(r.block_ids) > keep:
+            self.kv.pool.release(r.block_ids[keep:])
+            r.block_ids = r.block_ids[:keep]
+            r.resend_blocks = True  # the workers' table shrinks too
 
     def _append(self, r: Request, token: int, logprobs, now: float, max_model_len: int) -> EngineCoreOutput:
         first = r.num_output_tokens == 0

@@ -121,6 +121,41 @@ def bitmask_row(state: StructuredState, vocab_size: int) -> bytes | None:
     return row.numpy().tobytes() if state.fill(row, 0) else None
 
 
+def draft_bitmasks(state: StructuredState, drafts: list[int], vocab_size: int) -> tuple[list[bytes | None], int] | None:
+    """Bitmasks for a speculative verify span: the allowed tokens after the sequence, then after each draft.
+
+    The matcher advances over the drafts the grammar allows (stopping at the first it forbids, or at a stop
+    token) and is rolled back afterwards: the scheduler advances it for real over the tokens the target
+    accepts. Returns (masks, drafts kept); len(masks) == kept + 1. None when the state cannot be
+    advanced tentatively (reasoning phases, a failed grammar): then the sequence decodes without drafts."""
+    state._materialize()
+    m = state.matcher
+    if state.failed or state.thinking is not None or m is None or m.is_terminated():
+        return None
+    words = (vocab_size + 31) // 32
+    masks: list[bytes | None] = []
+    kept = 0
+    try:
+        for j in range(len(drafts) + 1):
+            if m.is_terminated():  # the grammar ended with the previous draft: the sequence stops there
+                masks.append(None)
+                break
+            row = torch.full((1, words), -1, dtype=torch.int32)
+            masks.append(row.numpy().tobytes() if m.fill_next_token_bitmask(row, 0) else None)
+            if j == len(drafts):
+                break
+            d = drafts[j]
+            word, bit = divmod(d, 32)
+            allowed = word < words and (int(row[0, word]) >> bit) & 1
+            if not allowed or d in state.stop_token_ids or not m.accept_token(d):
+                break
+            kept += 1
+    finally:
+        if kept:
+            m.rollback(kept)
+    return masks, kept
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[bytes | None]) -> None:
     """Mask, in place, the logits [B, V] of the rows that have a bitmask."""
     constrained = [i for i, row in enumerate(rows) if row is not None]
