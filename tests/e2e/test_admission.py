@@ -143,6 +143,7 @@ def _finished(m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("tokenloom:request_success_total"))
 
 
+@pytest.mark.slow  # timing-sensitive: it failed 3 times in ~6 runs under load (see the session 4 note)
 def test_clients_that_never_read_do_not_hold_admission(stall_server):
     """D3 (the probe's request): 2 streams of n=16 (32 sequences) whose clients never read. Each echoes its
     ~500-token prompt with 20 logprobs per token in every choice (~5 MB, more than the socket buffers

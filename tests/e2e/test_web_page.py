@@ -169,7 +169,8 @@ def test_chat_streams_text(page):
 @pytest.mark.ui
 def test_engine_view_shows_the_running_request_and_counters_move(page):
     before = int(text(page, "#m-gtotal").split()[0])
-    chat(page, "Count from one to twenty.", max_tokens=12)
+    # Long enough (several seconds) that the view's once-a-second poll sees the request on a fast machine too.
+    chat(page, "Write a long story about a dragon who learns to paint, in five paragraphs.", max_tokens=200)
     page.click("#tab-engine")
     row = page.locator("#requests tbody tr").filter(has_text=re.compile(r"^chatcmpl-"))
     row.first.wait_for(timeout=30_000)
