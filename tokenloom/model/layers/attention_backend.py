@@ -31,6 +31,9 @@ class AttentionBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
         raise NotImplementedError
 
+    def bind(self, kv_cache: torch.Tensor) -> None:
+        """Called once the KV caches exist (layer 0's given), before the first build_metadata."""
+
     def make_impl(self, num_heads: int, num_kv_heads: int, head_dim: int):
         raise NotImplementedError
 
@@ -44,9 +47,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, kv_cache: torch.Tensor | None = None):
-        self.kv_cache = kv_cache  # layer 0's cache: dtype, device and block shape for the workspace
-        self._workspace = None
+    def __init__(self):
+        self.kv_cache: torch.Tensor | None = None  # layer 0's: dtype, device and block shape for the workspace
+        self._workspace: torch.Tensor | None = None
 
     def bind(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache

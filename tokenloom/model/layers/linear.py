@@ -108,10 +108,6 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
-# The kind the model files used before tensor parallelism; at size 1 it is a plain merged layer.
-MergedLinear = MergedColumnParallelLinear
-
-
 def _offsets(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
     offsets, start = {}, 0
     for name, size in sizes.items():
