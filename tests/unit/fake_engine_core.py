@@ -48,6 +48,14 @@ class FakeCore:
                 del self.reqs[rid]
         return outs
 
+    last_step_tokens = 0
+
+    def check_health(self):
+        pass  # no workers to lose
+
+    def shutdown(self):
+        pass
+
     def stats(self):
         return {"num_running": len(self.reqs), "num_waiting": 0, "kv_cache_usage": 0.0,
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}

@@ -65,12 +65,9 @@ def _jsonable(value: Any) -> Any:
 
 def engine_info(core: Any) -> dict[str, Any]:
     """What the frontend learns about the built engine (resolved max_model_len, KV blocks...)."""
-    info = core.info
-    return {"num_blocks": info.num_blocks, "block_size": info.block_size, "max_model_len": info.max_model_len,
-            "full_length_requests": info.full_length_requests, "device": info.device, "dtype": info.dtype,
-            "kv_cache_dtype": info.kv_cache_dtype, "vocab_size": info.vocab_size,
-            "max_position_embeddings": info.max_position_embeddings, "eos_token_ids": info.eos_token_ids,
-            "model_path": info.model_path, "tensor_parallel_size": info.tensor_parallel_size}
+    info = msgspec.structs.asdict(core.info)
+    info.pop("summary")
+    return {**info, "full_length_requests": core.info.full_length_requests}
 
 
 class EngineCoreProc:
@@ -183,8 +180,7 @@ class EngineCoreProc:
             if not self.parent_alive():
                 logger.warning("parent process %d is gone; engine exiting", self.parent_pid)
                 return
-            if hasattr(self.core, "check_health"):
-                self.core.check_health()  # a worker that died while idle fails the engine now
+            self.core.check_health()  # a worker that died while idle fails the engine now
             busy = self.core.has_unfinished_requests()
             self._drain_input(0 if busy else int(self.heartbeat_interval * 1000))
             if self._stop:
@@ -196,7 +192,7 @@ class EngineCoreProc:
                 finally:
                     self._step_started = 0.0
                 stats = self._stats()
-                step_tokens = getattr(self.core, "last_step_tokens", 0)
+                step_tokens = self.core.last_step_tokens
                 if outputs or step_tokens:
                     self.send(ipc.StepOutputs(outputs=list(outputs), timestamp=time.time(), stats=stats,
                                               num_step_tokens=step_tokens))
@@ -284,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         code = 1
     finally:
-        if hasattr(core, "shutdown"):
-            core.shutdown()
+        core.shutdown()
         proc.close()
     return code
 
