@@ -46,7 +46,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
     seed: int = 0
-    attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
+    attention_backend: str = "auto"  # tokenloom.model.layers.attention_backend: auto | torch | flashinfer
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -308,7 +308,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
-    opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
+    opt("attention_backend", str, "attention backend: auto (default: flashinfer on CUDA when installed, else torch)"
+        "|torch (the reference, CPU and CUDA)|flashinfer (CUDA, float16/bfloat16)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
+from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
@@ -66,6 +67,10 @@ def _same_or(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _DTYPES[name]
 
 
+def kv_cache_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    return _same_or(config.cache.kv_cache_dtype, pick_dtype(config.model.dtype, device))
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -79,17 +84,15 @@ def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp
     return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * dtype.itemsize
 
 
-def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> int:
+def _count_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
+                  profiled: ProfiledMemory | None) -> int:
+    """`profiled` is the GPU's memory around the largest step (None on CPU)."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = kv_bytes_per_block(arch, cache.block_size, dtype, tp_group().size)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free
-        peak = torch.cuda.max_memory_allocated(device)
-        budget = total * cache.gpu_memory_utilization - used_by_others - peak
-        return max(int(budget // per_block), 2)
+    if profiled is not None:
+        return kv_blocks(profiled, cache.gpu_memory_utilization, per_block)
     # The CPU budget is the machine's: its ranks share it (each stores 1/p of the KV heads, so the token
     # capacity is the same as one rank's with the whole budget).
     share = cache.kv_cache_memory / config.parallel.ranks_per_node
@@ -115,10 +118,11 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size
-    if device.type == "cuda":
-        _profile_forward(loaded.model, arch, config, device, dtype)
-    kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
-    num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype))  # every rank holds as many
+    profiled = None
+    if device.type == "cuda" and config.cache.num_blocks is None:
+        profiled = profile_cuda_step(lambda: _profile_forward(loaded.model, arch, config, device, dtype), device)
+    kv_dtype = kv_cache_dtype(config, device)
+    num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled))  # every rank holds as many
     attention = attention_backend()
     shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
@@ -170,7 +174,8 @@ def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
-    """Run one max-size forward so the KV budget leaves room for activations."""
+    """The largest step the scheduler can emit (a full token budget of prefill, then the logits of a full
+    batch), over a scratch KV cache just big enough for it, so the KV budget leaves room for activations."""
     n = config.scheduler.max_num_batched_tokens
     bs = config.cache.block_size
     blocks = -(-n // bs)
@@ -184,5 +189,3 @@ def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtyp
                        arch.max_position_embeddings, caches, meta)
         model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
     del caches, hidden
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
