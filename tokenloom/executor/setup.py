@@ -12,6 +12,7 @@ from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.loader import LoadedModel, load_model
@@ -124,7 +125,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     kv_dtype = kv_cache_dtype(config, device)
     num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled))  # every rank holds as many
     attention = attention_backend()
-    shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
+    graphs = wants_cuda_graphs(config, device, attention)
+    # With graphs, one block more than the pool hands out: the padding rows' scratch block.
+    shape = attention.kv_cache_shape(num_blocks + graphs, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
     kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                  for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
@@ -148,9 +151,30 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    if graphs:
+        runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
     if tp_group().is_first:
         logger.info(setup.summary())
     return setup
+
+
+def wants_cuda_graphs(config: EngineConfig, device: torch.device, attention) -> bool:
+    if device.type != "cuda" or config.model.enforce_eager:
+        return False
+    if attention.name != "flashinfer":
+        logger.info("decode steps run eagerly: CUDA graphs need the flashinfer attention backend")
+        return False
+    return True
+
+
+def capture_decode_graphs(model, kv_caches, arch: ArchConfig, config: EngineConfig, max_len: int,
+                          progress: bool) -> DecodeGraphs:
+    tp = tp_group().size
+    sizes = capture_sizes(config.scheduler.max_num_seqs, config.model.cuda_graph_sizes)
+    graphs = DecodeGraphs(model, kv_caches, scratch_block=kv_caches[0].shape[1] - 1, sizes=sizes,
+                          max_blocks_per_seq=-(-max_len // config.cache.block_size))
+    graphs.capture((arch.num_heads // tp, kv_heads_per_rank(arch, tp), arch.head_dim), progress)
+    return graphs
 
 
 @torch.inference_mode()
