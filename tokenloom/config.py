@@ -46,7 +46,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
     seed: int = 0
-    attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
+    attention_backend: str = "auto"  # tokenloom.model.layers.attention_backend: auto | torch | flashinfer
+    enforce_eager: bool = False  # CUDA: no graph capture (tokenloom.model.cuda_graphs)
+    cuda_graph_sizes: list[int] | None = None  # CUDA: decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -55,6 +57,8 @@ class ModelConfig:
         _check_dtype("matmul_dtype", self.matmul_dtype)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
+        _check(not self.cuda_graph_sizes or min(self.cuda_graph_sizes) >= 1,
+               f"cuda_graph_sizes must be positive batch sizes (got {self.cuda_graph_sizes})")
 
 
 @dataclass
@@ -308,7 +312,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
-    opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
+    opt("attention_backend", str, "attention backend: auto (default: flashinfer on CUDA when installed, else torch)"
+        "|torch (the reference, CPU and CUDA)|flashinfer (CUDA, float16/bfloat16)")
+    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true",
+                   default=env_default("enforce_eager", None, bool),
+                   help="CUDA: run every step eagerly, without capturing CUDA graphs for decode steps")
+    g.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=None,
+                   help="CUDA: decode batch sizes to capture as graphs (default 1 2 4 8 16 24 ... --max-num-seqs)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

@@ -81,8 +81,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM command lines; tokenloom never runs code shipped with a model")
     g.add_argument("--enable-chunked-prefill", action="store_true", default=False,
                    help="accepted for vLLM command lines; long prompts are always prefilled in chunks")
-    g.add_argument("--enforce-eager", action="store_true", default=False,
-                   help="accepted for vLLM command lines; tokenloom does not capture CUDA graphs")
     g.add_argument("--quantization", "-q", dest="quantization", default=None,
                    help="accepted: gguf (quantized GGUF files are read as such); other methods are refused")
     g.add_argument("--load-format", dest="load_format", default=None,

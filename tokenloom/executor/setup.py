@@ -10,7 +10,9 @@ from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
+from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.loader import LoadedModel, load_model
@@ -66,6 +68,10 @@ def _same_or(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _DTYPES[name]
 
 
+def kv_cache_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    return _same_or(config.cache.kv_cache_dtype, pick_dtype(config.model.dtype, device))
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -79,17 +85,15 @@ def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp
     return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * dtype.itemsize
 
 
-def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> int:
+def _count_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
+                  profiled: ProfiledMemory | None) -> int:
+    """`profiled` is the GPU's memory around the largest step (None on CPU)."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = kv_bytes_per_block(arch, cache.block_size, dtype, tp_group().size)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free
-        peak = torch.cuda.max_memory_allocated(device)
-        budget = total * cache.gpu_memory_utilization - used_by_others - peak
-        return max(int(budget // per_block), 2)
+    if profiled is not None:
+        return kv_blocks(profiled, cache.gpu_memory_utilization, per_block)
     # The CPU budget is the machine's: its ranks share it (each stores 1/p of the KV heads, so the token
     # capacity is the same as one rank's with the whole budget).
     share = cache.kv_cache_memory / config.parallel.ranks_per_node
@@ -115,12 +119,15 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size
-    if device.type == "cuda":
-        _profile_forward(loaded.model, arch, config, device, dtype)
-    kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
-    num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype))  # every rank holds as many
+    profiled = None
+    if device.type == "cuda" and config.cache.num_blocks is None:
+        profiled = profile_cuda_step(lambda: _profile_forward(loaded.model, arch, config, device, dtype), device)
+    kv_dtype = kv_cache_dtype(config, device)
+    num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled))  # every rank holds as many
     attention = attention_backend()
-    shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
+    graphs = wants_cuda_graphs(config, device, attention)
+    # With graphs, one block more than the pool hands out: the padding rows' scratch block.
+    shape = attention.kv_cache_shape(num_blocks + graphs, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
     kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                  for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
@@ -144,9 +151,30 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    if graphs:
+        runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
     if tp_group().is_first:
         logger.info(setup.summary())
     return setup
+
+
+def wants_cuda_graphs(config: EngineConfig, device: torch.device, attention) -> bool:
+    if device.type != "cuda" or config.model.enforce_eager:
+        return False
+    if attention.name != "flashinfer":
+        logger.info("decode steps run eagerly: CUDA graphs need the flashinfer attention backend")
+        return False
+    return True
+
+
+def capture_decode_graphs(model, kv_caches, arch: ArchConfig, config: EngineConfig, max_len: int,
+                          progress: bool) -> DecodeGraphs:
+    tp = tp_group().size
+    sizes = capture_sizes(config.scheduler.max_num_seqs, config.model.cuda_graph_sizes)
+    graphs = DecodeGraphs(model, kv_caches, scratch_block=kv_caches[0].shape[1] - 1, sizes=sizes,
+                          max_blocks_per_seq=-(-max_len // config.cache.block_size))
+    graphs.capture((arch.num_heads // tp, kv_heads_per_rank(arch, tp), arch.head_dim), progress)
+    return graphs
 
 
 @torch.inference_mode()
@@ -170,7 +198,8 @@ def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
-    """Run one max-size forward so the KV budget leaves room for activations."""
+    """The largest step the scheduler can emit (a full token budget of prefill, then the logits of a full
+    batch), over a scratch KV cache just big enough for it, so the KV budget leaves room for activations."""
     n = config.scheduler.max_num_batched_tokens
     bs = config.cache.block_size
     blocks = -(-n // bs)
@@ -184,5 +213,3 @@ def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtyp
                        arch.max_position_embeddings, caches, meta)
         model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
     del caches, hidden
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()

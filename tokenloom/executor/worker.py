@@ -7,9 +7,9 @@ import logging
 from tokenloom.config import EngineConfig
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.setup import _name, build_worker, pick_device
+from tokenloom.executor.setup import _name, build_worker, kv_cache_dtype, pick_device
 from tokenloom.executor.worker_info import WorkerInfo
-from tokenloom.model.layers.attention_backend import select_attention_backend
+from tokenloom.model.layers.attention_backend import resolve_attention_backend, select_attention_backend
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -25,9 +25,10 @@ class Worker:
 
     def load(self) -> WorkerInfo:
         parallel = self.config.parallel
-        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
-                             pick_device(self.config.model.device))
-        select_attention_backend(self.config.model.attention_backend)
+        device = pick_device(self.config.model.device)
+        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0, device)
+        select_attention_backend(resolve_attention_backend(self.config.model.attention_backend, device,
+                                                           kv_cache_dtype(self.config, device)))
         self.setup = setup = build_worker(self.config, progress=self.progress)
         arch = setup.arch
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,

@@ -13,6 +13,7 @@ import torch
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
 from tokenloom.executor.request_state import RequestState
+from tokenloom.model.host_copy import tensor_on
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
@@ -38,6 +39,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
+        self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.model.cuda_graphs)
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
@@ -65,9 +67,9 @@ class ModelRunner:
         # Decodes first, shortest context first, so each attention group pads only to its own longest.
         scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            input_ids, positions, meta, logit_rows = self._prepare(scheduled, step.spec_token_ids)
+            ids, pos, slots, spans, logit_rows = self._prepare(scheduled, step.spec_token_ids)
         with PROFILER.section("forward"):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self._forward(ids, pos, slots, spans)
             if not logit_rows:
                 return ModelRunnerOutput() if tp_group().is_first else None
             with PROFILER.section("matmul"):
@@ -117,10 +119,16 @@ class ModelRunner:
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise TokenOutOfVocabulary(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        return ids, pos, slots, spans, logit_rows
+
+    def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
+        """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, else
+        an eager forward."""
+        if self.graphs is not None and self.graphs.can_run(spans):
+            return self.graphs.run(ids, pos, slots, spans)
         dev = self.device
-        meta = self.attention.build_metadata(spans, torch.tensor(slots, dtype=torch.long, device=dev))
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, logit_rows)
+        meta = self.attention.build_metadata(spans, tensor_on(slots, torch.long, dev))
+        return self.model(tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev), self.kv_caches, meta)
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""

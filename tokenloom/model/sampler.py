@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.model.host_copy import tensor_on
+
 from tokenloom.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -58,7 +60,7 @@ class SamplerOutput:
 
 
 def _tensor(data, dtype, device) -> torch.Tensor:
-    return torch.tensor(data, dtype=dtype, device=device)
+    return tensor_on(data, dtype, device)
 
 
 def _rank_of(lp: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:

@@ -96,15 +96,28 @@ class TorchAttentionBackend(AttentionBackend):
         return self._workspace[: 2 * num_blocks * block_elems].view(2, num_blocks, block_elems)
 
 
-_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}
+def _flashinfer_backend():
+    from tokenloom.model.layers.attention_flashinfer import FlashInferBackend
+    return FlashInferBackend()
+
+
+_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend, "flashinfer": _flashinfer_backend}
 _SELECTED = "torch"
+
+
+def resolve_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype) -> str:
+    """`auto`: FlashInfer on CUDA when it imports and the KV cache is float16/bfloat16, else torch."""
+    if name != "auto":
+        return name
+    from tokenloom.model.layers.attention_flashinfer import supports
+    return "flashinfer" if supports(device, kv_dtype) else "torch"
 
 
 def select_attention_backend(name: str) -> None:
     """Choose the backend models built from now on use (the worker calls this before loading)."""
     global _SELECTED
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(sorted(_BACKENDS))})")
+        raise ValueError(f"unknown attention backend {name!r} (known: auto, {', '.join(sorted(_BACKENDS))})")
     _SELECTED = name
 
 
