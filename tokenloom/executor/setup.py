@@ -17,6 +17,7 @@ from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
+from tokenloom.spec_decode.draft_model import build_drafter, check_draft_vocabulary
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -79,11 +80,14 @@ def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp
     return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * dtype.itemsize
 
 
-def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> int:
+def _count_blocks(config: EngineConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
+                  draft: ArchConfig | None = None) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = kv_bytes_per_block(arch, cache.block_size, dtype, tp_group().size)
+    if draft is not None:  # a draft model's cache has one block per target block
+        per_block += kv_bytes_per_block(draft, cache.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free
@@ -115,10 +119,12 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size
+    draft = _load_draft(config, loaded, dtype, device, progress)
     if device.type == "cuda":
         _profile_forward(loaded.model, arch, config, device, dtype)
     kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
-    num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype))  # every rank holds as many
+    num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype,  # every rank holds as many
+                                              draft.arch if draft is not None else None))
     attention = attention_backend()
     shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
@@ -142,11 +148,29 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
         max_len = capacity
     attention.bind(kv_caches[0])
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
+    if draft is not None:
+        runner.drafter = build_drafter(draft.model, draft.arch, num_blocks, block_size, kv_dtype, device,
+                                       config.speculative_config.num_speculative_tokens, max_len)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
     if tp_group().is_first:
         logger.info(setup.summary())
     return setup
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                progress: bool) -> LoadedModel | None:
+    """The draft model of speculative method "draft_model", in the target's dtype, or None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = load_model(spec.model, dtype, device, progress=progress)
+    check_draft_vocabulary(draft.arch, target.arch, spec.model)
+    if draft.model is not target.model and can_prepack(device):
+        prepack_linear_weights(draft.model)
+    logger.info("draft model %s: %.1fM parameters, %.0f MiB, drafting %d tokens per step", draft.path,
+                draft.num_params / 1e6, draft.bytes / 2 ** 20, spec.num_speculative_tokens)
+    return draft
 
 
 @torch.inference_mode()
