@@ -87,3 +87,49 @@ def test_unseeded_sampling_has_the_same_distribution(pair):
     df = len(cols) - 1
     assert df >= 1, table
     assert chi2 < chi2_critical(df), (chi2, df, table)
+
+
+# ---- draft model: the embedded model as its own draft ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_on(make_llm, embedded_path):
+    return make_llm(speculative_config={"method": "draft_model", "model": embedded_path, "num_speculative_tokens": 4})
+
+
+def test_draft_model_greedy_chat_output_identical(pair, draft_on):
+    off, _ = pair
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    want = [o.outputs[0].token_ids for o in off.chat(CHATS[:2], params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in draft_on.chat(CHATS[:2], params, use_tqdm=False)]
+    assert got == want
+    s = draft_on.engine.stats()
+    assert s["spec_num_accepted_tokens"] >= 0.9 * s["spec_num_draft_tokens"] > 0
+
+
+def test_draft_model_stop_string_and_structured_output(pair, draft_on):
+    """A stop string inside what the model writes; a JSON schema whose grammar masks every verified position and
+    rolls back over the drafts it tried."""
+    off, _ = pair
+    full = off.chat(CHATS[:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0].text
+    params = SamplingParams(temperature=0.0, max_tokens=32, stop=[full[24:28]])
+    want = off.chat(CHATS[:1], params, use_tqdm=False)[0].outputs[0]
+    got = draft_on.chat(CHATS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason) and want.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "admin": {"type": "boolean"}}, "required": ["name", "admin"]}
+    chat = [{"role": "user", "content": 'Repeat this JSON: {"name": "alice", "admin": true}'}]
+    params = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs={"json": schema})
+    before = draft_on.engine.stats()["spec_num_drafts"]
+    want = off.chat([chat], params, use_tqdm=False)[0].outputs[0]
+    got = draft_on.chat([chat], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert draft_on.engine.stats()["spec_num_drafts"] > before
+
+
+def test_draft_model_sampled_structured_output_is_valid_json(draft_on):
+    """Sampled drafts (rejection sampling) under a grammar: every output still parses and fits the schema."""
+    import json
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    chat = [{"role": "user", "content": "Give me a JSON object with a number n."}]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, structured_outputs={"json": schema})
+    for o in draft_on.chat([chat] * 3, params, use_tqdm=False):
+        assert isinstance(json.loads(o.outputs[0].text)["n"], int)
