@@ -1,6 +1,8 @@
-"""Speculative decoding (n-gram) on the embedded model, against the same model with speculation off."""
+"""Speculative decoding (n-gram, and the model as its own draft) on the embedded model, against the same model
+with speculation off."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -91,12 +93,15 @@ def test_unseeded_sampling_has_the_same_distribution(pair):
 
 # ---- draft model: the embedded model as its own draft ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def draft_on(make_llm, embedded_path):
-    return make_llm(speculative_config={"method": "draft_model", "model": embedded_path, "num_speculative_tokens": 4})
+def draft_pair(make_llm, embedded_path):
+    """Speculation off, and on with the embedded model as its own draft (small KV caches: ~0.25 GiB each)."""
+    return make_llm(kv_cache_memory=0.25), make_llm(
+        kv_cache_memory=0.25, speculative_config={"method": "draft_model", "model": embedded_path,
+                                                  "num_speculative_tokens": 4})
 
 
-def test_draft_model_greedy_chat_output_identical(pair, draft_on):
-    off, _ = pair
+def test_draft_model_greedy_chat_output_identical(draft_pair):
+    off, draft_on = draft_pair
     params = SamplingParams(temperature=0.0, max_tokens=32)
     want = [o.outputs[0].token_ids for o in off.chat(CHATS[:2], params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in draft_on.chat(CHATS[:2], params, use_tqdm=False)]
@@ -105,10 +110,10 @@ def test_draft_model_greedy_chat_output_identical(pair, draft_on):
     assert s["spec_num_accepted_tokens"] >= 0.9 * s["spec_num_draft_tokens"] > 0
 
 
-def test_draft_model_stop_string_and_structured_output(pair, draft_on):
+def test_draft_model_stop_string_and_structured_output(draft_pair):
     """A stop string inside what the model writes; a JSON schema whose grammar masks every verified position and
     rolls back over the drafts it tried."""
-    off, _ = pair
+    off, draft_on = draft_pair
     full = off.chat(CHATS[:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0].text
     params = SamplingParams(temperature=0.0, max_tokens=32, stop=[full[24:28]])
     want = off.chat(CHATS[:1], params, use_tqdm=False)[0].outputs[0]
@@ -125,11 +130,15 @@ def test_draft_model_stop_string_and_structured_output(pair, draft_on):
     assert draft_on.engine.stats()["spec_num_drafts"] > before
 
 
-def test_draft_model_sampled_structured_output_is_valid_json(draft_on):
+def test_draft_model_sampled_structured_output_is_valid_json(draft_pair):
     """Sampled drafts (rejection sampling) under a grammar: every output still parses and fits the schema."""
-    import json
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    chat = [{"role": "user", "content": "Give me a JSON object with a number n."}]
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, structured_outputs={"json": schema})
+    _, draft_on = draft_pair
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = [{"role": "user", "content": "Answer in JSON: is the sky blue?"}]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=48, structured_outputs={"json": schema})
+    before = draft_on.engine.stats()["spec_num_drafts"]
     for o in draft_on.chat([chat] * 3, params, use_tqdm=False):
-        assert isinstance(json.loads(o.outputs[0].text)["n"], int)
+        assert o.outputs[0].finish_reason == "stop"
+        assert isinstance(json.loads(o.outputs[0].text)["ok"], bool)
+    assert draft_on.engine.stats()["spec_num_drafts"] > before

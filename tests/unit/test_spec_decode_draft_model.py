@@ -256,8 +256,13 @@ def test_preemption_with_a_draft_model(make_core, drafts):
 
 
 def test_disable_by_batch_size_pauses_the_draft_model(make_core, drafts):
+    """No drafting while more than 2 requests run, not even in the step that admits them."""
     on = make_core(speculative_config={**drafts["self"], "disable_by_batch_size": 2})
-    generate_tokens(on, PROMPTS, greedy_params(max_tokens=8))  # 4 running: never drafts
-    assert on.scheduler.spec_num_drafts == 0 and not on.scheduler.worker_drafts
+    for i, p in enumerate(PROMPTS):
+        on.add_request(make_request(f"r{i}", p, greedy_params(max_tokens=8)))
+    while on.has_unfinished_requests():
+        on.step()
+        assert not any(on.scheduler.worker_drafts.values())
+    assert on.scheduler.spec_num_drafts == 0
     generate_tokens(on, PROMPTS[:2], greedy_params(max_tokens=16), prefix="s")
     assert on.scheduler.spec_num_drafts > 0

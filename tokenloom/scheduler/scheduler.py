@@ -92,9 +92,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         preempted = False
-        speculate = self.speculative is not None and (self.speculative.disable_by_batch_size is None or
-                                                      len(self.running) <= self.speculative.disable_by_batch_size)
-        self._speculate = speculate
+        speculate = self._speculate = self._may_speculate(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -154,8 +152,11 @@ class Scheduler:
     def _step_contract(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         """The step as the workers need it: new sequences whole, known ones as deltas."""
         self.num_steps += 1
+        # The worker-side proposer drafts for the next step: only if that step may speculate, judged by the batch
+        # after this step's admissions (a burst of new requests must not pay for drafting their prompts).
         out = SchedulerOutput(step_id=self.num_steps, block_copies=self.pending_copies,
-                              finished_keys=self.finished_keys, propose_drafts=self._speculate and self.lookahead > 0)
+                              finished_keys=self.finished_keys,
+                              propose_drafts=self.lookahead > 0 and self._may_speculate(len(self.running)))
         self.pending_copies, self.finished_keys = [], []
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
@@ -188,6 +189,10 @@ class Scheduler:
         if self.proposer is None:  # proposed in the worker after the sequence's last step
             return self.worker_drafts.get(req.key, [])[:k]
         return self.proposer.propose(req.token_ids, k)
+
+    def _may_speculate(self, num_running: int) -> bool:
+        spec = self.speculative
+        return spec is not None and (spec.disable_by_batch_size is None or num_running <= spec.disable_by_batch_size)
 
     def _reserve_lookahead(self, req: Request, n: int) -> None:
         """Slots for a worker-side proposer's drafts past what the step computes, if the pool has them (the
