@@ -84,8 +84,8 @@ class ModelRunner:
         self._fork_sampled(logit_rows)
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
-                out.draft_token_ids = self.drafter.propose(
-                    [(self.requests[key], seqs[0].token_ids) for key, seqs in out.sampled.items() if key not in forking])
+                out.draft_token_ids = self.drafter.propose([(self.requests[key], seqs[0].token_ids)
+                                                            for key, seqs in out.sampled.items() if key not in forking])
         return out
 
     def _fork_sampled(self, logit_rows) -> None:
