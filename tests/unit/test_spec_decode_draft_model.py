@@ -81,7 +81,7 @@ def test_vocabulary_mismatch_is_a_one_line_error_at_start(make_core, tmp_path):
 @pytest.mark.parametrize("draft", ["self", "near", "random"])
 def test_greedy_output_identical_with_a_draft_model(make_core, drafts, draft):
     off, on = _pair(make_core, drafts[draft])
-    params = greedy_params(max_tokens=24)
+    params = greedy_params(max_tokens=16)
     assert generate_tokens(on, PROMPTS, params) == generate_tokens(off, PROMPTS, params)
     s = on.stats()
     assert s["spec_num_drafts"] > 0
@@ -250,7 +250,7 @@ def test_chunked_prefill_and_prefix_caching_with_a_draft_model(make_core, drafts
 
 def test_preemption_with_a_draft_model(make_core, drafts):
     off, on = _pair(make_core, drafts["near"], num_blocks=14, block_size=4)
-    params = greedy_params(max_tokens=20)
+    params = greedy_params(max_tokens=16)
     assert generate_tokens(on, PROMPTS, params) == generate_tokens(off, PROMPTS, params)
     assert on.stats()["num_preemptions"] > 0 and on.stats()["spec_num_drafts"] > 0
 
