@@ -179,7 +179,7 @@ class LimitsConfig:
             _check(getattr(self, f.name) >= 0, f"{f.name} must be >= 0 (got {getattr(self, f.name)})")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -191,11 +191,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # shortest n-gram matched against the request's own tokens
     prompt_lookup_max: int = 4  # longest n-gram tried first
     disable_by_batch_size: int | None = None  # no speculation while more requests than this run
-    model: str | None = None  # draft model (method "draft_model"; not implemented yet)
+    model: str | None = None  # the draft model (method "draft_model"): a path, GGUF file or HF folder
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ConfigError("speculative method 'draft_model' is not implemented yet (use 'ngram')")
         _check(self.method in SPEC_METHODS,
                f"speculative method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
         _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
@@ -205,6 +203,8 @@ class SpeculativeConfig:
                f"{self.prompt_lookup_max})")
         _check(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
                f"disable_by_batch_size must be >= 1 (got {self.disable_by_batch_size})")
+        _check(self.method != "draft_model" or bool(self.model),
+               'speculative method "draft_model" needs "model": the draft model\'s path')
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -241,6 +241,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        # The draft model runs in the worker next to rank 0's sampler; sharding it is not built yet.
+        _check(spec is None or spec.method != "draft_model" or self.parallel.tensor_parallel_size == 1,
+               "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
         if self.reasoning_parser is not None:
             from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
@@ -346,7 +350,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "(structured-output constraints then apply after the reasoning)")
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")
     opt("speculative_config", str, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}')
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}, or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}')
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

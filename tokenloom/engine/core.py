@@ -152,7 +152,7 @@ class EngineCore:
 
     def _spec_stats(self) -> dict:
         s = self.scheduler
-        if s.proposer is None:
+        if s.speculative is None:
             return {}
         return {"spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": s.spec_num_accepted_tokens,

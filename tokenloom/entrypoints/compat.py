@@ -22,8 +22,8 @@ from tokenloom.config import ConfigError, env_default
 UNSUPPORTED: dict[tuple[str, ...], str] = {
     ("--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--lora"): "LoRA is not supported yet",
     ("--speculative-model", "--num-speculative-tokens", "--model-draft", "-md"):
-        "draft-model speculation is not supported yet; n-gram speculation is --speculative-config "
-        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
+        "this spelling of speculative decoding is not supported; use --speculative-config "
+        "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (or \"ngram\")",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported",
     ("--data-parallel-size", "-dp"): "data parallelism is not supported; run one server per device",
     ("--cpu-offload-gb",): "CPU offload of weights is not supported",

@@ -60,6 +60,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     spec_token_ids: dict[str, list[int]] = {}
     # Constrained speculative rows: one bitmask (or None) per position, 1 + len(drafts) of them.
     spec_grammar_bitmask: dict[str, list[bytes | None]] = {}
+    # A proposer in the worker (draft model) drafts for the next step after sampling this one; off while
+    # speculation is paused (disable_by_batch_size), so an idle draft model costs nothing.
+    propose_drafts: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,3 +93,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Per scheduled key that sampled: one entry per sequence (n > 1 forks sample all siblings at once).
     sampled: dict[str, list[SampledSequence]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # this step's prompt positions, per key
+    # A worker-side proposer's drafts for the next step, per key that sampled (the scheduler verifies them
+    # next step through spec_token_ids, or a prefix of them).
+    draft_token_ids: dict[str, list[int]] = {}

@@ -19,6 +19,7 @@ from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
+from tokenloom.spec_decode.draft_model import build_drafter, check_draft_vocabulary
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -86,12 +87,15 @@ def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp
 
 
 def _count_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
-                  profiled: ProfiledMemory | None) -> int:
-    """`profiled` is the GPU's memory around the largest step (None on CPU)."""
+                  profiled: ProfiledMemory | None, draft: ArchConfig | None = None) -> int:
+    """`profiled` is the GPU's memory around the largest step (None on CPU); a draft model's cache has one
+    block per target block, so its bytes count in every block."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = kv_bytes_per_block(arch, cache.block_size, dtype, tp_group().size)
+    if draft is not None:
+        per_block += kv_bytes_per_block(draft, cache.block_size, dtype)
     if profiled is not None:
         return kv_blocks(profiled, cache.gpu_memory_utilization, per_block)
     # The CPU budget is the machine's: its ranks share it (each stores 1/p of the KV heads, so the token
@@ -119,11 +123,13 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
     block_size = config.cache.block_size
+    draft = _load_draft(config, loaded, dtype, device, progress)
     profiled = None
     if device.type == "cuda" and config.cache.num_blocks is None:
         profiled = profile_cuda_step(lambda: _profile_forward(loaded.model, arch, config, device, dtype), device)
     kv_dtype = kv_cache_dtype(config, device)
-    num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled))  # every rank holds as many
+    num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled,  # every rank holds as many
+                                              draft.arch if draft is not None else None))
     attention = attention_backend()
     graphs = wants_cuda_graphs(config, device, attention)
     # With graphs, one block more than the pool hands out: the padding rows' scratch block.
@@ -149,6 +155,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
         max_len = capacity
     attention.bind(kv_caches[0])
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
+    if draft is not None:
+        runner.drafter = build_drafter(draft.model, draft.arch, num_blocks, block_size, kv_dtype, device,
+                                       config.speculative_config.num_speculative_tokens, max_len)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
     _warm_up(loaded.model, kv_caches, block_size, device, progress)
     if graphs:
@@ -175,6 +184,21 @@ def capture_decode_graphs(model, kv_caches, arch: ArchConfig, config: EngineConf
                           max_blocks_per_seq=-(-max_len // config.cache.block_size))
     graphs.capture((arch.num_heads // tp, kv_heads_per_rank(arch, tp), arch.head_dim), progress)
     return graphs
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                progress: bool) -> LoadedModel | None:
+    """The draft model of speculative method "draft_model", in the target's dtype, or None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = load_model(spec.model, dtype, device, progress=progress)
+    check_draft_vocabulary(draft.arch, target.arch, spec.model)
+    if draft.model is not target.model and can_prepack(device):
+        prepack_linear_weights(draft.model)
+    logger.info("draft model %s: %.1fM parameters, %.0f MiB, drafting %d tokens per step", draft.path,
+                draft.num_params / 1e6, draft.bytes / 2 ** 20, spec.num_speculative_tokens)
+    return draft
 
 
 @torch.inference_mode()

@@ -17,7 +17,8 @@ from tokenloom.model.host_copy import tensor_on
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
-from tokenloom.spec_decode.rejection_sampler import accept_deterministic
+from tokenloom.spec_decode.proposer import WorkerProposer
+from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
 
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.model.cuda_graphs)
+        self.drafter: WorkerProposer | None = None  # a proposer that runs here (draft model), set by the setup
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
@@ -47,6 +49,8 @@ class ModelRunner:
         if step.step_id == self.last_step_id:
             return
         self.last_step_id = step.step_id
+        if self.drafter is not None:
+            self.drafter.update_states(step)
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
@@ -78,7 +82,12 @@ class ModelRunner:
         if logits is not None:  # the first rank; the others only contributed their share of the vocabulary
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
+        forking = {r.key for r, _, samples in logit_rows if samples and r.forks}
         self._fork_sampled(logit_rows)
+        if out is not None and self.drafter is not None and step.propose_drafts:
+            with PROFILER.section("draft"):
+                out.draft_token_ids = self.drafter.propose([(self.requests[key], seqs[0].token_ids)
+                                                            for key, seqs in out.sampled.items() if key not in forking])
         return out
 
     def _fork_sampled(self, logit_rows) -> None:
@@ -145,6 +154,7 @@ class ModelRunner:
         owners: list[RequestState] = []
         masks: list[bytes | None] = []
         positions: dict[str, int] = {}  # spec keys: rows seen so far
+        sampled_drafts: dict[str, list[tuple[int, SamplingRow, bytes | None]]] = {}  # verified by rejection
         for i, (r, _, samples) in enumerate(logit_rows):
             if not samples:
                 prompt_rows.setdefault(r.key, (r, []))[1].append(i)
@@ -153,13 +163,20 @@ class ModelRunner:
             drafts = spec.get(r.key)
             if drafts:
                 # Position j samples as the plain decode would after drafts[:j] (penalties, min_tokens, bad words).
+                spec_masks = step.spec_grammar_bitmask.get(r.key)
+                if self.drafter is not None and not params.is_greedy:  # sampled drafts: the rejection sampler
+                    verify = sampled_drafts.setdefault(r.key, [])
+                    j = len(verify)
+                    verify.append((i, SamplingRow(params, r.prompt_token_ids, r.output_token_ids + drafts[:j],
+                                                  r.generators[0], r.bad_words_token_ids, r.eos_token_ids),
+                                   spec_masks[j] if spec_masks else None))
+                    continue
                 j = positions.get(r.key, 0)
                 positions[r.key] = j + 1
                 sample_idx.append(i)
                 rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids + drafts[:j], r.generators[0],
                                         r.bad_words_token_ids, r.eos_token_ids))
                 owners.append(r)
-                spec_masks = step.spec_grammar_bitmask.get(r.key)
                 masks.append(spec_masks[j] if spec_masks else None)
                 continue
             for g in r.generators:
@@ -173,6 +190,14 @@ class ModelRunner:
             targets = torch.tensor(r.token_ids[start + 1:start + 1 + len(idx)], device=self.device)
             k = r.params.prompt_logprobs
             out.prompt_logprobs[r.key] = _pack(*compute_prompt_logprobs(logits[idx], targets, k), k)
+        for key, verify in sampled_drafts.items():
+            r = self.requests[key]
+            drafts = spec[key]
+            tokens, lps = verify_sampled_drafts(self.sampler, logits, verify, drafts,
+                                                self.drafter.draft_probs(key, drafts), r.generators[0])
+            k = verify[0][1].params.logprobs
+            packed_lps = _pack(lps.logprob_token_ids, lps.logprobs, lps.ranks, k) if lps is not None else None
+            out.sampled[key] = [SampledSequence(tokens, packed_lps)]
         if not rows:
             return out
         # Seeded speculative rows draw K+1 noise vectors; keep the generator's state to replay only the used ones.

@@ -131,10 +131,51 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+@dataclass
+class ProcessedLogits:
+    """Logits after every stage but the draw: what a token is drawn from (softmax of `logits` on random
+    rows, their argmax on greedy ones). Speculative decoding needs these distributions themselves."""
+
+    logits: torch.Tensor  # [B, V] float32
+    raw_logprobs: torch.Tensor | None  # log_softmax of the logits as given, when a row asks for raw logprobs
+    random_idx: list[int]  # the rows that draw (the others are greedy)
+
+
 class Sampler:
     """Stateless batched sampler; see the module docstring for the processing order."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        processed = self.process(logits, rows)
+        if processed.random_idx:
+            greedy = [p.is_greedy for p in (r.params for r in rows)]
+            token_ids = self._draw(processed.logits, rows, processed.random_idx, greedy)
+        else:
+            token_ids = processed.logits.argmax(dim=-1)
+        return self.with_logprobs(processed, rows, token_ids)
+
+    def with_logprobs(self, processed: ProcessedLogits, rows: list[SamplingRow],
+                      token_ids: torch.Tensor) -> SamplerOutput:
+        """The output for `token_ids` (drawn here or chosen by a verifier), with the logprobs rows ask for."""
+        params = [r.params for r in rows]
+        k_list = [p.logprobs for p in params if p.logprobs is not None]
+        out = SamplerOutput(token_ids=token_ids)
+        if not k_list:
+            return out
+        raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
+        proc_rows = [p.logprobs is not None and p.logprobs_mode != "raw" for p in params]
+        raw_lp = processed.raw_logprobs
+        if any(proc_rows):
+            lp = torch.log_softmax(processed.logits, dim=-1)
+            if raw_lp is not None:
+                lp = torch.where(_tensor(raw_rows, torch.bool, lp.device).unsqueeze(-1), raw_lp, lp)
+        else:
+            lp = raw_lp
+        assert lp is not None
+        out.logprob_token_ids, out.logprobs, out.ranks = _gather_logprobs(lp, token_ids, max(k_list))
+        return out
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLogits:
+        """Every stage of the module docstring but the draw."""
         B, V = logits.shape
         assert len(rows) == B, f"{len(rows)} rows for {B} logits"
         device = logits.device
@@ -142,11 +183,7 @@ class Sampler:
         cloned = logits.dtype != torch.float32  # .float() below then already copies
         logits = logits.float()
 
-        k_list = [p.logprobs for p in params if p.logprobs is not None]
-        want_logprobs = bool(k_list)
-        max_k = max(k_list, default=0)
         raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
-        proc_rows = [p.logprobs is not None and p.logprobs_mode != "raw" for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(raw_rows) else None
 
         greedy = [p.is_greedy for p in params]
@@ -226,25 +263,7 @@ class Sampler:
         # Greedy rows: argmax of the logits so far (temperature etc. leave them untouched).
         if random_idx:
             logits = self._process_random(writable(), params, random_idx, greedy)
-            token_ids = self._draw(logits, rows, random_idx, greedy)
-        else:
-            token_ids = logits.argmax(dim=-1)
-
-        out = SamplerOutput(token_ids=token_ids)
-        if want_logprobs:
-            if any(proc_rows):
-                proc_lp = torch.log_softmax(logits, dim=-1)
-                if raw_lp is not None:
-                    lp = torch.where(_tensor(raw_rows, torch.bool, device).unsqueeze(-1),
-                                     raw_lp, proc_lp)
-                else:
-                    lp = proc_lp
-            else:
-                lp = raw_lp
-            assert lp is not None
-            ids, lps, ranks = _gather_logprobs(lp, token_ids, max_k)
-            out.logprob_token_ids, out.logprobs, out.ranks = ids, lps, ranks
-        return out
+        return ProcessedLogits(logits, raw_lp, random_idx)
 
     # ------------------------------------------------------------------ stages
 

@@ -37,10 +37,15 @@ class Scheduler:
         self.prefix_reorder_window = prefix_reorder_window
         self.speculative = speculative
         self.proposer = None
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        # A proposer in the worker (draft model) drafts after each step into K slots past the sequence.
+        self.lookahead = 0
+        self.worker_drafts: dict[str, list[int]] = {}  # its latest drafts, per sequence key
         if speculative is not None:
             from tokenloom.spec_decode.proposer import make_proposer
             self.proposer = make_proposer(speculative)
-        k = speculative.num_speculative_tokens if speculative is not None else 0
+            self.lookahead = k if self.proposer is None else 0
+        self._speculate = False
         # vLLM's spec_decode counters: steps that verified drafts, drafts verified, drafts accepted, per position.
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -74,6 +79,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.worker_drafts.pop(request.key, None)
         if self.requests.pop(request.key, None) is not None and request.sent_to_workers:
             self.finished_keys.append(request.key)
 
@@ -86,8 +92,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         preempted = False
-        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None or
-                                                   len(self.running) <= self.speculative.disable_by_batch_size)
+        speculate = self._speculate = self._may_speculate(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -107,6 +112,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                self._reserve_lookahead(req, n)
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
@@ -134,6 +140,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached_tokens
                 self.kv.record_prefix_query(req, num_cached_tokens)
             req.num_computed_tokens = num_cached_tokens
+            self._reserve_lookahead(req, n)
             req.status = RequestStatus.RUNNING
             if not req.first_scheduled_time:
                 req.first_scheduled_time = time.time()
@@ -145,8 +152,11 @@ class Scheduler:
     def _step_contract(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         """The step as the workers need it: new sequences whole, known ones as deltas."""
         self.num_steps += 1
+        # The worker-side proposer drafts for the next step: only if that step may speculate, judged by the batch
+        # after this step's admissions (a burst of new requests must not pay for drafting their prompts).
         out = SchedulerOutput(step_id=self.num_steps, block_copies=self.pending_copies,
-                              finished_keys=self.finished_keys)
+                              finished_keys=self.finished_keys,
+                              propose_drafts=self.lookahead > 0 and self._may_speculate(len(self.running)))
         self.pending_copies, self.finished_keys = [], []
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
@@ -176,7 +186,20 @@ class Scheduler:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         if k <= 0 or req.pending_forks:
             return []
+        if self.proposer is None:  # proposed in the worker after the sequence's last step
+            return self.worker_drafts.get(req.key, [])[:k]
         return self.proposer.propose(req.token_ids, k)
+
+    def _may_speculate(self, num_running: int) -> bool:
+        spec = self.speculative
+        return spec is not None and (spec.disable_by_batch_size is None or num_running <= spec.disable_by_batch_size)
+
+    def _reserve_lookahead(self, req: Request, n: int) -> None:
+        """Slots for a worker-side proposer's drafts past what the step computes, if the pool has them (the
+        drafter never writes past a sequence's table, so being short only shortens its drafts). Not for a
+        sequence about to fork: its last block must be the one the fork copies."""
+        if self.lookahead and self._speculate and not req.pending_forks:
+            self.kv.allocate(req, n + self.lookahead)
 
     def _preempt_for_priority(self, req: Request, scheduled: list[tuple[Request, int]]) -> int | None:
         """Make room for a waiting request by preempting the lowest-priority running one, if that one has a
@@ -278,6 +301,8 @@ class Scheduler:
                         break
             if drafts is not None:
                 self._settle_drafts(r, drafts, len(sampled[0].token_ids) - 1)
+            if self.lookahead and not r.is_finished:
+                self.worker_drafts[key] = result.draft_token_ids.get(key, [])
         return outputs
 
     def _settle_drafts(self, r: Request, drafts: list[int], accepted: int) -> None:
@@ -293,7 +318,8 @@ class Scheduler:
         if r.is_finished:
             return
         self.kv.cache_computed_blocks(r)
-        keep = -(-r.num_tokens // self.kv.block_size)
+        # Blocks past the sequence's tokens that a worker-side proposer just drafted into stay.
+        keep = -(-(r.num_tokens + max(self.lookahead - 1, 0)) // self.kv.block_size)
         if len(r.block_ids) > keep:
             self.kv.pool.release(r.block_ids[keep:])
             r.block_ids = r.block_ids[:keep]

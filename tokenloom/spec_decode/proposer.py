@@ -1,14 +1,25 @@
-"""The proposer interface and the n-gram (prompt lookup) proposer.
+"""The proposer interfaces and the n-gram (prompt lookup) proposer.
 
-A proposer looks at a sequence's tokens and returns up to `num_tokens` guesses of what comes next.
-The scheduler asks it for every decoding sequence before building the step, so the drafts travel in
-the step contract and every tensor-parallel rank verifies the same ones. Proposers that need the
-target's hidden states (EAGLE, MTP heads) would implement the same `propose` but run in the worker
-after the forward; the contract already carries per-key draft tokens either way.
+Two seams, one per place a proposer can run:
+
+* `Proposer`, in the scheduler: looks at a sequence's tokens and returns up to `num_tokens` guesses of
+  what comes next. The scheduler asks it for every decoding sequence before building the step, so the
+  drafts travel in the step contract and every tensor-parallel rank verifies the same ones (n-gram).
+* `WorkerProposer`, in the worker: runs right after a step's sampling, batched over the sequences that
+  sampled, with state of its own on the device (a draft model's weights and KV cache; an EAGLE or MTP
+  head would read the target's hidden states there). Its drafts go back in `ModelRunnerOutput`, and the
+  scheduler schedules them (or a prefix: token budget, max_tokens, grammar) next step through the same
+  `spec_token_ids`. Its drafts may be sampled: `draft_probs` gives the distribution each was drawn
+  from, which the rejection sampler needs.
 """
 from __future__ import annotations
 
+import torch
+
 from tokenloom.config import SpeculativeConfig
+
+# Methods whose proposer runs in the worker (its drafts come back in ModelRunnerOutput.draft_token_ids).
+WORKER_METHODS = ("draft_model",)
 
 
 class Proposer:
@@ -16,6 +27,23 @@ class Proposer:
     uses the deterministic-draft rule (`rejection_sampler.accept_deterministic`)."""
 
     def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+
+class WorkerProposer:
+    """Drafts for every sequence that sampled in a step, in the worker that sampled them."""
+
+    def update_states(self, step) -> None:
+        """Follow the step's deltas (new, finished and moved sequences, block copies), once per step."""
+        raise NotImplementedError
+
+    def propose(self, sampled: list[tuple[object, list[int]]]) -> dict[str, list[int]]:
+        """Drafts per key, given each sequence's state and the tokens it sampled this step."""
+        raise NotImplementedError
+
+    def draft_probs(self, key: str, drafts: list[int]) -> torch.Tensor | None:
+        """[len(drafts), V]: the distribution each of these drafts (a prefix of the last proposal) was drawn
+        from; None when they were chosen deterministically (greedy)."""
         raise NotImplementedError
 
 
@@ -49,7 +77,10 @@ class NgramProposer(Proposer):
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The scheduler's proposer; None for a method whose proposer runs in the worker."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method in WORKER_METHODS:
+        return None
     raise ValueError(f"no proposer for method {config.method!r}")

@@ -10,12 +10,18 @@ Two cases:
   each position exactly as the plain decode would (same processed distribution, same seeded noise in the
   same order), a seeded request even yields the same tokens as with speculation off.
 
-* Probabilistic drafts (a sampled draft model, later): `rejection_sample` implements the general rule on
-  probability tensors.
+* Probabilistic drafts (a draft model sampling a request that samples): `rejection_sample` implements the
+  general rule on probability tensors, and `verify_sampled_drafts` applies it to a verify span's rows with
+  the target's distributions after the sampler's whole processing (grammar mask, penalties, temperature,
+  top-k/p...), so what it preserves is exactly the distribution the plain decode samples from. It is
+  exact in distribution, not draw for draw: a seeded request reproduces itself, not speculation off.
 """
 from __future__ import annotations
 
 import torch
+
+from tokenloom.model.sampler import ProcessedLogits, Sampler, SamplerOutput, SamplingRow
+from tokenloom.structured.matcher import apply_token_bitmask
 
 
 def accept_deterministic(drafts: list[int], sampled: list[int]) -> int:
@@ -40,7 +46,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     Returns the emitted tokens (accepted drafts, then one more)."""
     K = draft_ids.shape[0]
     out: list[int] = []
-    u = torch.rand(K, generator=generator, dtype=torch.float64)
+    u = torch.rand(K, generator=generator, dtype=torch.float64, device=target_probs.device)
     for i in range(K):
         d = int(draft_ids[i])
         p, q = float(target_probs[i, d]), float(draft_probs[i, d])
@@ -54,3 +60,31 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
         return out
     out.append(int(torch.multinomial(target_probs[K], 1, generator=generator)))
     return out
+
+
+def verify_sampled_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[int, SamplingRow, bytes | None]],
+                          drafts: list[int], draft_probs: torch.Tensor | None, generator: torch.Generator | None
+                          ) -> tuple[list[int], SamplerOutput | None]:
+    """One verify span of a sampled request: `rows` are its K+1 positions (row in `logits`, how that position
+    samples, its grammar bitmask), `draft_probs` [K, V] what each draft was drawn from (None: chosen
+    deterministically, i.e. one-hot). Returns the emitted tokens and, when the request asks, their logprobs."""
+    target = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
+    masks = [m for _, _, m in rows]
+    if any(m is not None for m in masks):
+        apply_token_bitmask(target, masks)
+    sampling = [row for _, row, _ in rows]
+    processed = sampler.process(target, sampling)
+    p = processed.logits.softmax(dim=-1).double()
+    ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
+    if draft_probs is None:
+        q = torch.zeros(len(drafts), p.shape[1], dtype=torch.float64, device=p.device)
+        q[torch.arange(len(drafts), device=p.device), ids] = 1.0
+    else:
+        q = draft_probs.double()
+    emitted = rejection_sample(p, q, ids, generator)
+    if sampling[0].params.logprobs is None:
+        return emitted, None
+    m = len(emitted)
+    used = ProcessedLogits(processed.logits[:m], None if processed.raw_logprobs is None else processed.raw_logprobs[:m],
+                           [])
+    return emitted, sampler.with_logprobs(used, sampling[:m], torch.tensor(emitted, device=logits.device))
