@@ -47,6 +47,10 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0
     attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
+    # vLLM's --runner / --convert: "pooling" (or convert "embed") serves embeddings instead of generation;
+    # auto: pooling for an encoder (BERT), generate otherwise. See tokenloom/model/pooler.py.
+    runner: str = "auto"  # auto | generate | pooling
+    convert: str = "auto"  # auto | none | embed
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -55,6 +59,11 @@ class ModelConfig:
         _check_dtype("matmul_dtype", self.matmul_dtype)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
+        _check(self.runner in ("auto", "generate", "pooling"),
+               f"runner must be auto, generate or pooling (got {self.runner!r})")
+        _check(self.convert in ("auto", "none", "embed"), f"convert must be auto, none or embed (got {self.convert!r})")
+        _check(not (self.runner == "generate" and self.convert == "embed"),
+               "--convert embed makes a pooling model: it cannot go with --runner generate")
 
 
 @dataclass
@@ -309,6 +318,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
     opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
+    opt("runner", str, "generate | pooling (embeddings, /v1/embeddings) | auto (default: pooling for an encoder "
+        "such as BERT, generate otherwise)")
+    opt("convert", str, "embed: serve a decoder model as an embedding model (last-token pooling); auto | none")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

@@ -1,6 +1,6 @@
-"""Admission by expected wait (issue 21, item 1) and clients that stop reading (D3), on the real server.
+"""Admission by expected completion time (issue 21, item 1) and clients that stop reading (D3), on the real server.
 
-A reduced engine (4 slots, a short --max-queue-wait) stands in for the issue's 400-request flood: every
+A reduced engine (4 slots, a short --max-expected-latency) stands in for the issue's 400-request flood: every
 request gets a clean answer at once or is admitted and finishes, none waits past the client's timeout.
 The full flood (400 requests, default flags, 180 s client timeout) is the `slow` test at the end.
 """
@@ -17,13 +17,13 @@ import pytest
 from server_harness import ServerProcess, metric_values, wait_idle
 
 MAX_NUM_SEQS = 4
-MAX_QUEUE_WAIT = 6.0
+MAX_EXPECTED_LATENCY = 6.0
 WRITE_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-wait", str(MAX_QUEUE_WAIT),
+    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS), "--max-expected-latency", str(MAX_EXPECTED_LATENCY),
                         "--max-waiting-requests", "64")
     try:
         yield srv
@@ -69,20 +69,21 @@ def check_flood(results: list[tuple], client_timeout: float, max_tokens: int) ->
 def test_flood_gets_clean_answers_and_admitted_requests_finish(server):
     # a short busy period first, so that the engine's rate is measured rather than assumed
     asyncio.run(_flood(server.url, MAX_NUM_SEQS, {"max_tokens": 16, "ignore_eos": True}, 120.0))
-    before = metrics(server).get('tokenloom:request_rejected_total{reason="queue_wait"}', 0)
+    before = metrics(server).get('tokenloom:request_rejected_total{reason="expected_latency"}', 0)
     body = {"max_tokens": 16, "ignore_eos": True, "temperature": 0}
     client_timeout = 120.0
     results = asyncio.run(_flood(server.url, 40, body, client_timeout))
     ok, rejected = check_flood(results, client_timeout, 16)
-    assert len(ok) >= MAX_NUM_SEQS and rejected, (len(ok), len(rejected))
+    # how many get in depends on the machine's speed at the time (the estimate follows it); some always do
+    assert ok and rejected, (len(ok), len(rejected))
     # rejections come at once, not after waiting in the queue
     assert max(dt for dt, _ in rejected) < 5
     m = wait_idle(server)
-    assert m['tokenloom:request_rejected_total{reason="queue_wait"}'] - before == len(rejected)
+    assert m['tokenloom:request_rejected_total{reason="expected_latency"}'] - before == len(rejected)
 
 
-def test_timeout_shorter_than_the_estimated_wait_is_refused_at_once(server):
-    """With the batch full and work queued, a request whose own timeout is below its estimated wait gets
+def test_timeout_shorter_than_the_expected_latency_is_refused_at_once(server):
+    """With the batch full and work queued, a request whose own timeout is below its expected latency gets
     503 at once (not a 504 after waiting), and one with a generous timeout is not refused for it."""
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
@@ -99,11 +100,11 @@ def test_timeout_shorter_than_the_estimated_wait_is_refused_at_once(server):
     assert short.status_code == 503, short.text
     assert short.json()["error"]["code"] == "server_overloaded" and "timeout" in short.json()["error"]["message"]
     assert short_dt < 2 and int(short.headers["Retry-After"]) >= 1
-    # a generous timeout is not refused for it (the queue-wait limit may still apply)
+    # a generous timeout is not refused for it (the latency limit may still apply)
     assert long.status_code == 200 or "timeout" not in long.json()["error"]["message"], long.text
     assert all(r.status_code in (200, 503) for r in busy)
     m = wait_idle(server)
-    assert m['tokenloom:request_rejected_total{reason="timeout_below_wait"}'] >= 1
+    assert m['tokenloom:request_rejected_total{reason="timeout_too_short"}'] >= 1
 
 
 def _stalled_stream(url: str, body: dict) -> socket.socket:
@@ -129,10 +130,13 @@ def _status(sock: socket.socket, timeout: float = 60.0) -> int:
     return int(head[9:12])
 
 
+STALL_SLOTS = 8
+
+
 @pytest.fixture(scope="module")
 def stall_server():
-    srv = ServerProcess("--max-num-seqs", "16", "--max-waiting-requests", "16", "--max-queue-wait", "0",
-                        "--stream-write-timeout", str(WRITE_TIMEOUT))
+    srv = ServerProcess("--max-num-seqs", str(STALL_SLOTS), "--max-waiting-requests", str(STALL_SLOTS),
+                        "--max-expected-latency", "0", "--stream-write-timeout", str(WRITE_TIMEOUT))
     try:
         yield srv
     finally:
@@ -143,42 +147,49 @@ def _finished(m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("tokenloom:request_success_total"))
 
 
-@pytest.mark.slow  # timing-sensitive: it failed 3 times in ~6 runs under load (see the session 4 note)
+def _socket_buffer_limit() -> int:
+    """The most bytes the kernel can hold for one unread loopback connection (the sender's largest send
+    buffer; the reader's receive buffer is set to 2 KiB), plus asyncio's 64 KiB write buffer."""
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        return int(f.read().split()[2]) + 64 * 1024
+
+
 def test_clients_that_never_read_do_not_hold_admission(stall_server):
-    """D3 (the probe's request): 2 streams of n=16 (32 sequences) whose clients never read. Each echoes its
-    ~500-token prompt with 20 logprobs per token in every choice (~5 MB, more than the socket buffers
-    hold), so the server's writes block. The write timeout ends both streams (their engine requests are
-    aborted and their connections closed), and a request of n=4 (32 + 4 > 16 slots + 16 waiting under
-    the old count of unsent responses) is admitted while the stalled sockets are still open."""
+    """D3 (the probe's request): a stream of n=16 whose client never reads. It echoes its ~1,000-token prompt
+    with 20 logprobs per token in every choice, about 2.5x what the socket buffers can hold (checked), so the
+    server's writes block. The write timeout ends the stream (its engine request is aborted or already done,
+    and the connection closes), and a request of n=4 (16 + 4 > 8 slots + 8 waiting under the old count of
+    unsent responses) is admitted while the stalled socket is still open."""
     server = stall_server
-    prompt = "The history of the city is long and old. " * 50
-    body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 4,
+    prompt = "The history of the city is long and old. " * 100
+    body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 2,
             "ignore_eos": True}
+    prompt_tokens = len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"])
+    # each top logprob is at least `"x": -1.2345678,` (16 bytes) in every choice's echoed prompt
+    assert 16 * prompt_tokens * 20 * 16 > 2 * _socket_buffer_limit(), prompt_tokens
     before = _finished(metrics(server))
-    socks = [_stalled_stream(server.url, body) for _ in range(2)]
+    sock = _stalled_stream(server.url, body)
     try:
-        assert [_status(s) for s in socks] == [200, 200]
-        deadline = time.time() + 120
-        while _finished(m := metrics(server)) - before < 2:  # both ended in the engine; nobody read
+        assert _status(sock) == 200
+        deadline = time.time() + 180
+        while _finished(m := metrics(server)) - before < 1:  # it ended in the engine; nobody read
             assert time.time() < deadline, {k: v for k, v in m.items() if "request" in k}
             time.sleep(0.2)
         wait_idle(server, timeout=60)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4}, timeout=60)
-        assert r.status_code == 200, r.text  # before the fix: 503 for as long as the sockets stayed open
-        # the stalled streams were cut off: each connection reaches EOF after what was already sent
-        for s in socks:
-            s.settimeout(WRITE_TIMEOUT + 30)
-            received = b""
-            while True:
-                chunk = s.recv(1 << 20)
-                if not chunk:
-                    break
-                received += chunk
-            assert received.startswith(b"HTTP/1.1 200")
-            assert b"data: [DONE]" not in received, len(received)
+        assert r.status_code == 200, r.text  # before the fix: 503 for as long as the socket stayed open
+        # the stalled stream was cut off: the connection reaches EOF after what was already sent
+        sock.settimeout(WRITE_TIMEOUT + 60)
+        received = b""
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b"data: [DONE]" not in received, len(received)
     finally:
-        for s in socks:
-            s.close()
+        sock.close()
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                       timeout=60).status_code == 200
 

@@ -90,3 +90,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Per scheduled key that sampled: one entry per sequence (n > 1 forks sample all siblings at once).
     sampled: dict[str, list[SampledSequence]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # this step's prompt positions, per key
+    pooled: dict[str, list[float]] = {}  # embedding requests computed this step: key -> embedding

@@ -15,6 +15,7 @@ from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
+from tokenloom.model.pooler import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
 
@@ -103,6 +104,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
+    # Embeddings (tokenloom/model/pooler.py): the runner pools the model's hidden states when this is set.
+    loaded.model.pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path,
+                                       arch.hidden_size)
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
@@ -129,6 +133,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
                           f"({arch.max_position_embeddings})")
+    trained = sentence_max_length(loaded.path) if loaded.model.pooling is not None else None
+    if trained and trained < max_len and not config.model.max_model_len:
+        max_len = trained
     window = arch.sliding_window
     if window and window < max_len:
         logger.warning("max_model_len clamped from %d to %d: the model attends over a sliding window of %d "
@@ -152,6 +159,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
 @torch.inference_mode()
 def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
     """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
+    if getattr(model, "is_encoder", False):  # no KV cache, no head: one whole short sequence
+        model(torch.zeros(8, dtype=torch.long, device=device), torch.arange(8, device=device))
+        return
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
         table = torch.zeros(1, dtype=torch.long, device=device)
@@ -182,7 +192,8 @@ def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtyp
     with torch.inference_mode():
         hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % 
                        arch.max_position_embeddings, caches, meta)
-        model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
+        if not getattr(model, "is_encoder", False):
+            model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
     del caches, hidden
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

@@ -14,6 +14,7 @@ from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
 from tokenloom.executor.request_state import RequestState
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
+from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic
@@ -65,17 +66,19 @@ class ModelRunner:
         # Decodes first, shortest context first, so each attention group pads only to its own longest.
         scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            input_ids, positions, meta, logit_rows = self._prepare(scheduled, step.spec_token_ids)
+            input_ids, positions, meta, logit_rows, pool_spans = self._prepare(scheduled, step.spec_token_ids)
         with PROFILER.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            pooled = {key: pool(hidden[first:first + n], self.model.pooling).tolist() for key, first, n in pool_spans}
             if not logit_rows:
-                return ModelRunnerOutput() if tp_group().is_first else None
+                return ModelRunnerOutput(pooled=pooled) if tp_group().is_first else None
             with PROFILER.section("matmul"):
                 logits = self.model.compute_logits(self._rows(hidden, [row for _, row, _ in logit_rows]))
         out = None
         if logits is not None:  # the first rank; the others only contributed their share of the vocabulary
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
+                out.pooled = pooled
         self._fork_sampled(logit_rows)
         return out
 
@@ -93,6 +96,7 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[ScheduledSpan] = []
         logit_rows: list[tuple[RequestState, int, bool]] = []  # (sequence, flat row, samples?)
+        pool_spans: list[tuple[str, int, int]] = []  # embedding requests: (key, first row, rows), whole prompts
         for r, n in scheduled:
             start = r.num_computed_tokens
             end = start + n
@@ -106,6 +110,9 @@ class ModelRunner:
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             spans.append(ScheduledSpan(first, start, n, table))
+            if r.params.embed:  # the scheduler gives it its whole prompt in one step
+                pool_spans.append((r.key, first, n))
+                continue
             if r.params.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
                 upto = min(end, r.num_prompt_tokens - 1)
                 logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
@@ -120,7 +127,7 @@ class ModelRunner:
         dev = self.device
         meta = self.attention.build_metadata(spans, torch.tensor(slots, dtype=torch.long, device=dev))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, logit_rows)
+                meta, logit_rows, pool_spans)
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""

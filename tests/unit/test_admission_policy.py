@@ -1,0 +1,134 @@
+"""Admission by expected completion time (issue 21, item 1): the estimator and the decision, on given numbers.
+
+The end-to-end behaviour (a real server under a flood) is tests/e2e/test_admission.py; these pin the arithmetic.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.engine.load_estimator import DEFAULT_OUTPUT_RATE, PROMPT_TOKEN_WEIGHT, LoadEstimator
+from tokenloom.entrypoints.openai.admission import Arrival, EngineLoad, Limits, decide, estimate
+
+LIMITS = Limits(max_expected_latency=60.0, max_queue_wait=None, max_waiting_requests=256)
+
+
+def steps(est: LoadEstimator, t0: float, period: float, count: int, batch: int) -> float:
+    """`count` decode steps of `batch` sequences, one every `period` seconds; returns the last timestamp."""
+    t = t0
+    for _ in range(count):
+        t += period
+        est.observe_step(t, output_tokens=batch, step_tokens=batch, running=batch, busy_after=True)
+    return t
+
+
+def test_the_prior_rate_holds_until_a_busy_step_is_measured():
+    est = LoadEstimator()
+    est.observe_step(100.0, output_tokens=8, step_tokens=8, running=8, busy_after=True)  # first step after idle
+    assert not est.measured and est.rate == DEFAULT_OUTPUT_RATE
+    est.observe_step(100.5, output_tokens=8, step_tokens=8, running=8, busy_after=True)
+    assert est.measured and est.rate == pytest.approx(16.0)
+
+
+def test_a_step_after_idle_is_not_measured():
+    est = LoadEstimator()
+    t = steps(est, 0.0, 0.1, 5, 10)  # 100 tokens/s
+    est.observe_step(t + 0.1, output_tokens=10, step_tokens=10, running=0, busy_after=False)  # went idle
+    est.observe_step(t + 60.0, output_tokens=1, step_tokens=1, running=1, busy_after=True)  # a minute later
+    assert est.rate == pytest.approx(100.0)
+
+
+def test_prompt_tokens_count_a_fifth_of_an_output_token():
+    est = LoadEstimator()
+    est.observe_step(0.0, output_tokens=0, step_tokens=0, running=4, busy_after=True)
+    est.observe_step(1.0, output_tokens=4, step_tokens=504, running=4, busy_after=True)
+    assert est.rate == pytest.approx(4 + 500 * PROMPT_TOKEN_WEIGHT)
+
+
+def test_the_rate_follows_a_slow_down_within_a_few_steps():
+    """A full batch of 64 at 0.35 s per step, then the machine gets 4x slower: within 8 steps (about 11 s of
+    the slow machine) the estimate is within 10 % of the new rate."""
+    est = LoadEstimator()
+    t = steps(est, 0.0, 0.35, 40, 64)
+    assert est.rate == pytest.approx(64 / 0.35)
+    steps(est, t, 1.4, 8, 64)
+    assert est.rate == pytest.approx(64 / 1.4, rel=0.1)
+    assert est.seconds_per_token(64) == pytest.approx(1.4, rel=0.1)
+
+
+def test_a_fuller_batch_than_measured_is_assumed_to_share_the_same_throughput():
+    est = LoadEstimator()
+    steps(est, 0.0, 0.1, 10, 16)  # 160 tokens/s at 16 sequences
+    assert est.seconds_per_token(16) == pytest.approx(0.1)
+    assert est.seconds_per_token(64) == pytest.approx(0.4)
+    assert est.seconds_per_token(1) == pytest.approx(0.1)  # a smaller batch: the measured step time
+
+
+def _busy(inflight: int, queued_work: float, waiting: int = 0) -> EngineLoad:
+    return EngineLoad(inflight_seqs=inflight, engine_waiting=waiting, slots=64, queued_work=queued_work)
+
+
+def test_expected_latency_is_the_drain_time_when_the_batch_is_full():
+    est = LoadEstimator(prior_rate=100.0)
+    e = estimate(Arrival(seqs=1, tokens_per_seq=64, work=64), _busy(128, 128 * 64), est)
+    assert e.latency == pytest.approx(129 * 64 / 100)
+    assert e.wait == pytest.approx(e.latency - 64 * 64 / 100)
+
+
+def test_expected_latency_is_its_own_decode_in_the_batch_it_joins_when_there_is_room():
+    est = LoadEstimator(prior_rate=100.0)
+    e = estimate(Arrival(seqs=1, tokens_per_seq=64, work=64), _busy(31, 31 * 2000), est)
+    assert e.latency == pytest.approx(64 * 32 / 100) and e.wait == 0  # the long requests ahead only fill the batch
+
+
+def test_a_cold_flood_admits_only_what_the_assumed_rate_finishes_in_time():
+    """400 arrivals of 64 tokens before any step is measured: each admitted one reserves its work; the first
+    batch stops where its own decode at the assumed rate would pass the limit (not at the 64 free slots)."""
+    est = LoadEstimator()
+    inflight, work, admitted = 0, 0.0, 0
+    for _ in range(400):
+        arrival = Arrival(seqs=1, tokens_per_seq=64, work=64)
+        if decide(arrival, _busy(inflight, work), est, LIMITS) is None:
+            inflight, work, admitted = inflight + 1, work + arrival.work, admitted + 1
+    assert admitted == int(LIMITS.max_expected_latency * DEFAULT_OUTPUT_RATE / 64)  # 37 at 40 tokens/s
+    assert estimate(Arrival(1, 64, 64), _busy(admitted - 1, work - 64), est).latency <= 60
+    assert decide(Arrival(1, 64, 64), _busy(admitted, work), est, LIMITS).reason == "expected_latency"
+
+
+def test_an_idle_engine_admits_any_request():
+    est = LoadEstimator()
+    long = Arrival(seqs=1, tokens_per_seq=4000, work=4000, timeout=1.0)
+    assert decide(long, _busy(0, 0.0), est, LIMITS) is None
+
+
+def test_a_timeout_shorter_than_the_expected_latency_is_refused_with_its_own_reason():
+    est = LoadEstimator(prior_rate=100.0)
+    refusal = decide(Arrival(seqs=1, tokens_per_seq=16, work=16, timeout=2.0), _busy(64, 64 * 64), est, LIMITS)
+    assert refusal is not None and refusal.reason == "timeout_too_short" and "timeout" in refusal.message
+    assert refusal.retry_after == 40  # ceil((64 * 64 + 16) / 100 - 2)
+    assert decide(Arrival(seqs=1, tokens_per_seq=16, work=16, timeout=50.0), _busy(64, 64 * 64), est,
+                  LIMITS) is None
+
+
+def test_over_the_expected_latency_limit_is_refused_with_retry_after_the_excess():
+    est = LoadEstimator(prior_rate=100.0)
+    refusal = decide(Arrival(seqs=1, tokens_per_seq=64, work=64), _busy(64, 100 * 64), est, LIMITS)
+    assert refusal is not None and refusal.reason == "expected_latency"
+    assert refusal.retry_after == 5  # ceil(101 * 64 / 100 - 60)
+
+
+def test_the_wait_limit_applies_to_the_wait_alone():
+    est = LoadEstimator(prior_rate=100.0)
+    limits = Limits(max_expected_latency=None, max_queue_wait=10.0, max_waiting_requests=None)
+    # room in the batch: 13 s of own decode, no wait: admitted; a full batch and 18 s more work ahead: refused
+    assert decide(Arrival(seqs=1, tokens_per_seq=32, work=32), _busy(40, 40 * 32), est, limits) is None
+    refusal = decide(Arrival(seqs=1, tokens_per_seq=32, work=32), _busy(64, 64 * 32 + 1800), est, limits)
+    assert refusal is not None and refusal.reason == "queue_wait"
+
+
+def test_the_count_backstop_is_checked_first():
+    est = LoadEstimator(prior_rate=1e6)  # a very fast engine: no time limit would refuse
+    limits = Limits(max_expected_latency=60.0, max_queue_wait=None, max_waiting_requests=8)
+    refusal = decide(Arrival(seqs=4, tokens_per_seq=1, work=4), _busy(64 + 6, 70.0), est, limits)
+    assert refusal is not None and refusal.reason == "queue_full"
+    # a request wider than the whole queue still gets in when nothing else is there
+    assert decide(Arrival(seqs=80, tokens_per_seq=1, work=80), _busy(0, 0.0), est, limits) is None
