@@ -132,3 +132,15 @@ def test_the_count_backstop_is_checked_first():
     assert refusal is not None and refusal.reason == "queue_full"
     # a request wider than the whole queue still gets in when nothing else is there
     assert decide(Arrival(seqs=80, tokens_per_seq=1, work=80), _busy(0, 0.0), est, limits) is None
+
+
+def test_the_prior_comes_from_the_warm_up_step_when_there_is_one():
+    """A machine 10x slower at start-up (its warm-up decode step 10x longer) starts from a 10x lower guess."""
+    quiet, slow = LoadEstimator(), LoadEstimator()
+    quiet.calibrate(0.0326)
+    slow.calibrate(0.326)
+    assert quiet.rate == pytest.approx(DEFAULT_OUTPUT_RATE, rel=0.01)
+    assert slow.rate == pytest.approx(quiet.rate / 10)
+    unknown = LoadEstimator()
+    unknown.calibrate(0.0)
+    assert unknown.rate == DEFAULT_OUTPUT_RATE

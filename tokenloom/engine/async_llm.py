@@ -23,6 +23,7 @@ from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
 from tokenloom.metrics import ServerMetrics
+from tokenloom.model.pooler import PoolingConfig
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -205,6 +206,7 @@ class AsyncLLM:
             raise
         if tok_task is not None:
             self.tokenizer = await tok_task
+        self.load.calibrate(float(self.info.get("warmup_decode_seconds") or 0.0))
         vocab_size = int(self.info.get("vocab_size") or self.tokenizer.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len, vocab_size,
                                               list(self.info.get("eos_token_ids") or []))
@@ -243,6 +245,8 @@ class AsyncLLM:
             self.fail_all(EngineDeadError("the engine died"))
             self.client = self._new_client()
             self.info = await self.client.start(startup_timeout=startup_timeout)
+            self.load = LoadEstimator()
+            self.load.calibrate(float(self.info.get("warmup_decode_seconds") or 0.0))
             self.num_restarts += 1
             if self.metrics is not None:
                 self.metrics.engine_restarts.inc()
@@ -256,6 +260,15 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return int(self.info.get("max_model_len") or self.config.model.max_model_len)
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """Set when the engine embeds (serves /v1/embeddings, not generation); see tokenloom/model/pooler.py."""
+        p = self.info.get("pooling")
+        if not p:
+            return None
+        m = p.get("matryoshka", False)
+        return PoolingConfig(p["method"], p["normalize"], p["dimensions"], tuple(m) if isinstance(m, list) else m)
 
     @property
     def is_healthy(self) -> bool:

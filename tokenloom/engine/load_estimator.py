@@ -23,6 +23,13 @@ PROMPT_TOKEN_WEIGHT = 0.2
 # quiet machine and timed out (> 180 s) with other work on its 2 cores; too high a guess fails requests,
 # too low one only refuses (503) more of the first burst until the rate is measured.
 DEFAULT_OUTPUT_RATE = 40.0
+# Until measured, the rate is guessed from the warm-up's one-sequence decode step, timed at start-up so that
+# it carries the machine's load then: batched serving here makes ~5.4 one-sequence steps' worth of tokens per
+# such step (164.8 tokens/s at 32 streams, 32.6 ms per batch-1 step, PERFORMANCE.md); a quarter of that keeps
+# the same margin as DEFAULT_OUTPUT_RATE (1.3 / 0.0326 s = 40 tokens/s on a quiet machine). On this machine
+# with ~9 other processes per core, the warm-up step took ~30x longer and a flood admitted on 40 tokens/s
+# took ~20x longer than its estimate.
+WARMUP_RATE_FACTOR = 1.3
 # Weight of the newest step in the moving averages: about the last 1 / STEP_ALPHA = 4 steps count, ~1.5 s
 # at a full batch of 64 here (0.3-0.4 s per step), so a slow-down shows within a couple of seconds.
 STEP_ALPHA = 0.25
@@ -38,6 +45,11 @@ class LoadEstimator:
         self._seconds = 0.0
         self._batch = 0.0
         self._last: float | None = None  # timestamp of the previous step, when the engine stayed busy after it
+
+    def calibrate(self, warmup_decode_seconds: float) -> None:
+        """Set the prior from the engine's warm-up decode step (seconds; 0: unknown, keep the default)."""
+        if warmup_decode_seconds > 0:
+            self.prior_rate = WARMUP_RATE_FACTOR / warmup_decode_seconds
 
     def observe_step(self, timestamp: float, output_tokens: int, step_tokens: int, running: int,
                      busy_after: bool) -> None:

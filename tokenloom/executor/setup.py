@@ -3,6 +3,7 @@ its KV cache, build the runner. The block pool that hands those blocks out lives
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class WorkerSetup:
     num_blocks: int
     block_size: int
     max_model_len: int
+    warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step: the machine's speed at start
 
     @property
     def arch(self) -> ArchConfig:
@@ -105,8 +107,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
     # Embeddings (tokenloom/model/pooler.py): the runner pools the model's hidden states when this is set.
-    loaded.model.pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path,
-                                       arch.hidden_size)
+    pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path, arch.hidden_size)
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
@@ -133,7 +134,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
                           f"({arch.max_position_embeddings})")
-    trained = sentence_max_length(loaded.path) if loaded.model.pooling is not None else None
+    trained = sentence_max_length(loaded.path) if pooling is not None else None
     if trained and trained < max_len and not config.model.max_model_len:
         max_len = trained
     window = arch.sliding_window
@@ -149,19 +150,21 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
         max_len = capacity
     attention.bind(kv_caches[0])
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
+    runner.pooling = pooling
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
-    _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, progress)
     if tp_group().is_first:
         logger.info(setup.summary())
     return setup
 
 
 @torch.inference_mode()
-def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
-    """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
+def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> float:
+    """One small prefill and one decode, so the first request does not pay for lazy initialisation. Returns
+    the decode's seconds (admission's first guess of the engine's speed, before any request is measured)."""
     if getattr(model, "is_encoder", False):  # no KV cache, no head: one whole short sequence
         model(torch.zeros(8, dtype=torch.long, device=device), torch.arange(8, device=device))
-        return
+        return 0.0
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
         table = torch.zeros(1, dtype=torch.long, device=device)
@@ -169,14 +172,19 @@ def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
         model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
                                    kv_caches, meta)[-1:])
         bar.update(1)
+        start = time.perf_counter()
         mask = (torch.arange(block_size, device=device) <= n).view(1, 1, 1, -1)
         meta = AttentionMetadata(torch.tensor([n], device=device), 1, table.view(1, 1),
                                  torch.tensor([n + 1], device=device), mask, [])
         model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
                                    torch.tensor([n], device=device), kv_caches, meta))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
         bar.update(1)
     for cache in kv_caches:
         cache[:, 0].zero_()
+    return seconds
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:

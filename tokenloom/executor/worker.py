@@ -36,7 +36,7 @@ class Worker:
                           kv_cache_dtype=_name(setup.runner.kv_caches[0].dtype), num_blocks=setup.num_blocks,
                           block_size=setup.block_size, max_model_len=setup.max_model_len,
                           tensor_parallel_size=tp_group().size, summary=setup.summary(),
-                          pooling=setup.loaded.model.pooling)
+                          pooling=setup.runner.pooling, warmup_decode_seconds=setup.warmup_decode_seconds)
 
     @property
     def runner(self):

@@ -20,6 +20,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     tensor_parallel_size: int
     summary: str  # one line for the log: the KV cache and how many full-length requests fit
+    warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step (admission's first speed guess)
     pooling: PoolingConfig | None = None  # set: an embedding engine (pooled hidden states, no generation)
 
     @property

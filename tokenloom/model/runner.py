@@ -14,7 +14,7 @@ from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
 from tokenloom.executor.request_state import RequestState
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
-from tokenloom.model.pooler import pool
+from tokenloom.model.pooler import PoolingConfig, pool
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic
@@ -29,6 +29,8 @@ class TokenOutOfVocabulary(IndexError):
 
 
 class ModelRunner:
+    pooling: PoolingConfig | None = None  # set by the worker's setup on an embedding engine (model/pooler.py)
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend):
         self.model = model
@@ -69,7 +71,7 @@ class ModelRunner:
             input_ids, positions, meta, logit_rows, pool_spans = self._prepare(scheduled, step.spec_token_ids)
         with PROFILER.section("forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            pooled = {key: pool(hidden[first:first + n], self.model.pooling).tolist() for key, first, n in pool_spans}
+            pooled = {key: pool(hidden[first:first + n], self.pooling).tolist() for key, first, n in pool_spans}
             if not logit_rows:
                 return ModelRunnerOutput(pooled=pooled) if tp_group().is_first else None
             with PROFILER.section("matmul"):

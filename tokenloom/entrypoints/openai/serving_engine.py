@@ -155,6 +155,20 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checks
 
     def check_request(self, request: SamplingFields) -> None:
+        self.check_available()
+        self.check_model(request.model)
+        if self.engine.pooling is not None:
+            raise BadRequestError("this model embeds: it answers /v1/embeddings, not text generation (serve a "
+                                  "generative model for completions and chat)", param="model",
+                                  code="model_not_generative")
+        from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
+
+        check_text(request)
+        check_request_limits(request, self.engine.max_model_len)
+        self.admit(request)
+
+    def check_available(self) -> None:
+        """503 while the server drains or the engine is down or restarting."""
         if self.state.draining:
             raise ServiceUnavailableError("the server is shutting down", code="shutting_down")
         if not self.engine.is_healthy:
@@ -164,14 +178,11 @@ class OpenAIServing:
                                               code="engine_restarting", headers={"Retry-After": "5"})
             raise ServiceUnavailableError(f"the engine is not running: {self.engine.dead_reason}",
                                           code="engine_dead", headers={"Retry-After": "10"})
-        if request.model is not None and request.model not in self.served_model_names:
-            raise NotFoundError(f"The model `{request.model}` does not exist. Available: "
-                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
-        from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 
-        check_text(request)
-        check_request_limits(request, self.engine.max_model_len)
-        self.admit(request)
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise NotFoundError(f"The model `{model}` does not exist. Available: "
+                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
 
     def _rejected(self, reason: str) -> None:
         if self.engine.metrics is not None:
@@ -207,8 +218,11 @@ class OpenAIServing:
         if max_n is not None and width > max_n:
             return  # fails validation next, with a 400 naming n / best_of
         prompts = request.prompts() if hasattr(request, "prompts") else [None]
+        self.admit_arrival(self.arrival(request, width, prompts))
+
+    def admit_arrival(self, arrival: Arrival) -> None:
+        """503 + Retry-After now if `arrival` is refused; else reserve its work until the engine takes it over."""
         engine = self.engine
-        arrival = self.arrival(request, width, prompts)
         load = EngineLoad(inflight_seqs=engine.num_inflight_seqs + engine.reserved_seqs,
                           engine_waiting=int(engine.engine_stats.get("num_waiting", 0) or 0),
                           slots=int(engine.config.scheduler.max_num_seqs), queued_work=engine.queued_work)
