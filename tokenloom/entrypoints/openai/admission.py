@@ -5,12 +5,14 @@ time* — its wait for a place in the running batch plus its own decode at the s
 is over `--max-expected-latency` or over its own `timeout`, or when its wait alone is over
 `--max-queue-wait`. The count of waiting sequences (`--max-waiting-requests`) stays as a backstop.
 
-The estimate, with R the engine's measured rate (decode-equivalent tokens per second, see
-`engine/load_estimator.py`), W the work queued ahead (every open or admitted request's remaining tokens),
-w the request's own work and L its tokens per sequence:
+The estimate, with `engine/load_estimator.py`'s step time and throughput (measured over the last few engine
+steps), W the work queued ahead (every open or admitted request's remaining tokens, decode-equivalent), w
+the request's own work and L its tokens per sequence:
 
-    own      = L * seconds_per_token(the batch it joins)        when a slot is free,
-    expected = max((W + w) / R, own)                              when it must queue.
+    own      = L * step_seconds(the batch it joins)             when a slot is free,
+    expected = max((W + w) / R, own)                              when it must queue,
+
+with R = throughput(a full batch).
 
 The first is its own decode, slower in a fuller batch; the second the time to drain everything up to and
 including it while the batch stays full (requests finish at rate R, so the last one queued completes when
@@ -66,10 +68,10 @@ class Estimate:
 
 def estimate(arrival: Arrival, load: EngineLoad, speed: LoadEstimator) -> Estimate:
     joined = min(load.slots, load.inflight_seqs + arrival.seqs)
-    own = arrival.tokens_per_seq * speed.seconds_per_token(joined)
+    own = arrival.tokens_per_seq * speed.step_seconds(joined)
     if load.inflight_seqs + arrival.seqs <= load.slots and not load.engine_waiting:
         return Estimate(wait=0.0, latency=own)  # a slot is free: the work queued ahead only fills the batch
-    latency = max(speed.wait_for(load.queued_work + arrival.work), own)
+    latency = max((load.queued_work + arrival.work) / speed.throughput(load.slots), own)
     return Estimate(wait=latency - own, latency=latency)
 
 
