@@ -53,7 +53,8 @@ def main() -> None:
             a = rate(ours, inputs, batch)
             b = rate(theirs, inputs, batch)
             ratios.append(a / b)
-            print(f"batch {batch:3d} round {r}: tokenloom {a:7.1f}/s  sentence-transformers {b:7.1f}/s  ratio {a / b:.2f}")
+            print(f"batch {batch:3d} round {r}: tokenloom {a:7.1f}/s  sentence-transformers {b:7.1f}/s  "
+                  f"ratio {a / b:.2f}")
         print(f"batch {batch:3d}: median ratio {statistics.median(ratios):.2f}")
     llm.shutdown()
 

@@ -86,7 +86,7 @@ class InputProcessor:
             limit = min(ctx, self.config.scheduler.max_num_batched_tokens)
             if n > limit:
                 raise RequestValidationError(f"the input has {n} tokens; this model embeds at most {limit} "
-                                             f"tokens per input", "input", "context_length_exceeded")
+                                             f"tokens per input", "prompt", "context_length_exceeded")
             return params
         if n >= ctx:
             raise RequestValidationError(

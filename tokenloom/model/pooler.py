@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenloom.config import ConfigError
+
 METHODS = ("mean", "cls", "last")
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 
@@ -92,7 +94,6 @@ def truncate(embedding: list[float], dimensions: int | None, config: PoolingConf
 
 def pooling_for(runner: str, convert: str, model, model_path: str, hidden_size: int) -> PoolingConfig | None:
     """The pooling this engine serves, or None when it generates (vLLM's --runner / --convert rules)."""
-    from tokenloom.config import ConfigError
     encoder = getattr(model, "is_encoder", False)
     if runner == "auto":
         runner = "pooling" if encoder or convert == "embed" else "generate"

@@ -22,6 +22,7 @@ from pydantic import Field
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT
 from tokenloom.entrypoints.openai.admission import Arrival
 from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.limits import check_text
 from tokenloom.entrypoints.openai.protocol import OpenAIBaseModel
 from tokenloom.entrypoints.openai.serving_engine import (CHARS_PER_TOKEN_ESTIMATE, OpenAIServing,
                                                          engine_error_to_api_error, merge_generators, random_id,
@@ -79,7 +80,6 @@ class OpenAIServingEmbedding(OpenAIServing):
         problem = pooling.check_dimensions(request.dimensions)
         if problem:
             raise BadRequestError(problem, param="dimensions", code="invalid_value")
-        from tokenloom.entrypoints.openai.limits import check_text
         check_text(request)
         inputs = request.inputs()
         chars = sum(len(x) for x in inputs if isinstance(x, str))

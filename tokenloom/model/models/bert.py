@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.config import ConfigError
+from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.models.registry import register
 
@@ -133,8 +135,6 @@ class BertModel(nn.Module):
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        from tokenloom.config import ConfigError
-        from tokenloom.distributed.parallel_state import tp_group
         if tp_group().size > 1:
             raise ConfigError("BERT encoders run on one rank: use --tensor-parallel-size 1")
         self.config = cfg
