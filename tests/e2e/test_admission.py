@@ -135,8 +135,11 @@ STALL_SLOTS = 8
 
 @pytest.fixture(scope="module")
 def stall_server():
+    # The echoed prompt's logprobs (1,000 positions x 49,152 logits) made a step run past the default 30 s
+    # step timeout on this machine under load, which declared the engine hung: not what this test is about.
     srv = ServerProcess("--max-num-seqs", str(STALL_SLOTS), "--max-waiting-requests", str(STALL_SLOTS),
-                        "--max-expected-latency", "0", "--stream-write-timeout", str(WRITE_TIMEOUT))
+                        "--max-expected-latency", "0", "--stream-write-timeout", str(WRITE_TIMEOUT),
+                        "--engine-step-timeout", "600")
     try:
         yield srv
     finally:
@@ -156,17 +159,17 @@ def _socket_buffer_limit() -> int:
 
 def test_clients_that_never_read_do_not_hold_admission(stall_server):
     """D3 (the probe's request): a stream of n=16 whose client never reads. It echoes its ~1,000-token prompt
-    with 20 logprobs per token in every choice, more than twice what the socket buffers can hold (checked
-    before, with one choice read in full), so the server's writes block. The write timeout ends the stream (its engine request is aborted or already done,
+    with 20 logprobs per token in every choice, ~10 MB, more than the socket buffers can hold (a lower bound
+    is checked), so the server's writes block. The write timeout ends the stream (its engine request is aborted or already done,
     and the connection closes), and a request of n=4 (16 + 4 > 8 slots + 8 waiting under the old count of
     unsent responses) is admitted while the stalled socket is still open."""
     server = stall_server
     prompt = "The history of the city is long and old. " * 100
     body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 2,
             "ignore_eos": True}
-    # one choice's stream, read in full: the stalled one carries 16 of them
-    one_choice = httpx.post(server.url + "/v1/completions", json={**body, "n": 1}, timeout=120).content
-    assert 16 * len(one_choice) > 2 * _socket_buffer_limit(), len(one_choice)
+    prompt_tokens = len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"])
+    # each of the 20 top logprobs of a prompt token takes at least 16 bytes (`"x": -1.2345678,`; ~30 in fact)
+    assert 16 * prompt_tokens * 20 * 16 > _socket_buffer_limit(), prompt_tokens
     before = _finished(metrics(server))
     sock = _stalled_stream(server.url, body)
     try:
