@@ -74,35 +74,48 @@ def test_flood_gets_clean_answers_and_admitted_requests_finish(server):
     client_timeout = 180.0
     results = asyncio.run(_flood(server.url, 40, body, client_timeout))
     ok, rejected = check_flood(results, client_timeout, 16)
-    # how many get in depends on the machine's speed at the time (the estimate follows it); some always do
-    assert ok and rejected, (len(ok), len(rejected))
+    # how many get in depends on the machine's speed at the time (the estimate follows it); on a machine so
+    # busy that one request alone is expected to take longer than the limit, none does
+    assert rejected, len(ok)
+    assert ok or all("alone" in r.json()["error"]["message"] for _, r in rejected), rejected[0][1].text
     # rejections come at once, not after waiting in the queue
     assert max(dt for dt, _ in rejected) < 5
     m = wait_idle(server)
     assert m['tokenloom:request_rejected_total{reason="expected_latency"}'] - before == len(rejected)
 
 
-def test_timeout_shorter_than_the_expected_latency_is_refused_at_once(server):
+@pytest.fixture(scope="module")
+def busy_server():
+    """4 slots and no latency limit, so that a queue builds however slow the machine is."""
+    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS))
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def test_timeout_shorter_than_the_expected_latency_is_refused_at_once(busy_server):
     """With the batch full and work queued, a request whose own timeout is below its expected latency gets
     503 at once (not a 504 after waiting), and one with a generous timeout is not refused for it."""
+    server = busy_server
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
             busy = [asyncio.ensure_future(c.post("/v1/completions", json={
                 "prompt": f"Story {i}:", "max_tokens": 32, "ignore_eos": True})) for i in range(8)]
             await asyncio.sleep(1.5)  # admitted and running / queued
             t0 = time.time()
             short = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 0.5})
             short_dt = time.time() - t0
-            long = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 100})
+            long = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 10000})
             return short, short_dt, long, await asyncio.gather(*busy)
 
     short, short_dt, long, busy = asyncio.run(main())
     assert short.status_code == 503, short.text
     assert short.json()["error"]["code"] == "server_overloaded" and "timeout" in short.json()["error"]["message"]
     assert short_dt < 2 and int(short.headers["Retry-After"]) >= 1
-    # a generous timeout is not refused for it (the latency limit may still apply)
-    assert long.status_code == 200 or "timeout" not in long.json()["error"]["message"], long.text
-    assert all(r.status_code in (200, 503) for r in busy)
+    assert long.status_code == 200, long.text  # a generous timeout is not refused for it
+    assert all(r.status_code == 200 for r in busy)
     m = wait_idle(server)
     assert m['tokenloom:request_rejected_total{reason="timeout_too_short"}'] >= 1
 
@@ -204,8 +217,10 @@ def test_full_flood_default_flags():
     srv = ServerProcess(base_args=[])
     try:
         results = asyncio.run(_flood(srv.url, 400, {"max_tokens": 64, "ignore_eos": True}, 180.0))
-        ok, rejected = check_flood(results, 180.0, 64)
-        print(f"flood: {len(ok)} answered 200 (slowest {max(dt for dt, _ in ok):.0f} s), "
-              f"{len(rejected)} got 503 (slowest {max((dt for dt, _ in rejected), default=0):.1f} s)")
+        counts = {s: sum(1 for r in results if r[0] == s) for s in {r[0] for r in results}}
+        print(f"flood: {counts}; the last answer after {max(dt for _, dt, _ in results):.1f} s; slowest 200 "
+              f"{max((dt for s, dt, _ in results if s == 200), default=0):.1f} s, slowest 503 "
+              f"{max((dt for s, dt, _ in results if s == 503), default=0):.1f} s")
+        check_flood(results, 180.0, 64)
     finally:
         srv.terminate()

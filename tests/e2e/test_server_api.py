@@ -25,9 +25,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module", params=[pytest.param(1, id="tp1"), pytest.param(3, id="tp3", marks=pytest.mark.tp)])
 def server(request):
     srv = ServerProcess("--api-key", API_KEY, "--max-request-body-bytes", str(BODY_LIMIT),
-                        "--log-requests", "stages", "--tensor-parallel-size", str(request.param),
-                        # test_disconnects_abort_requests needs 50 long requests admitted at once
-                        "--max-expected-latency", "0")
+                        "--log-requests", "stages", "--tensor-parallel-size", str(request.param))
     try:
         yield srv
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.engine.load_estimator import (BATCH_OVERHEAD_SEQS, DEFAULT_OUTPUT_RATE, PRIOR_MARGIN,
-                                             PROMPT_TOKEN_WEIGHT, LoadEstimator)
+                                             PROMPT_TOKEN_WEIGHT, STALE_AFTER_S, LoadEstimator)
 from tokenloom.entrypoints.openai.admission import Arrival, EngineLoad, Limits, decide, estimate
 
 LIMITS = Limits(max_expected_latency=60.0, max_queue_wait=None, max_waiting_requests=256)
@@ -75,7 +75,7 @@ def test_a_fuller_batch_than_measured_costs_a_fixed_part_plus_a_part_per_sequenc
     est = measured(0.1, 16)
     assert est.step_seconds(16) == pytest.approx(0.1)
     assert est.step_seconds(64) == pytest.approx(0.1 * (F + 64) / (F + 16))
-    assert est.step_seconds(1) == pytest.approx(0.1)  # a smaller batch is not assumed faster
+    assert est.step_seconds(1) == pytest.approx(0.1 * (F + 1) / (F + 16))
     assert est.throughput(64) == pytest.approx(64 / est.step_seconds(64))
 
 
@@ -113,10 +113,24 @@ def test_a_cold_flood_admits_only_what_the_guessed_speed_finishes_in_time():
     assert decide(Arrival(1, 64, 64), _busy(admitted, work), est, LIMITS).reason == "expected_latency"
 
 
-def test_an_idle_engine_admits_any_request():
+def test_an_idle_engine_admits_what_it_can_finish_alone_even_past_its_own_timeout():
+    """Its own timeout is left to the 504 path on an idle engine; the guess from the warm-up step is taken
+    without its safety margin for a request that runs alone."""
     est = LoadEstimator()
-    long = Arrival(seqs=1, tokens_per_seq=4000, work=4000, timeout=1.0)
-    assert decide(long, _busy(0, 0.0), est, LIMITS) is None
+    est.calibrate(0.0326)
+    long = Arrival(seqs=1, tokens_per_seq=1500, work=1500, timeout=1.0)
+    assert 1500 * 0.0326 < 60 and decide(long, _busy(0, 0.0), est, LIMITS) is None
+
+
+def test_an_idle_engine_refuses_what_it_cannot_finish_alone_unless_that_is_stale():
+    """On a machine so slow that one 64-token request alone takes longer than the limit (measured here under
+    load: 3 s per step), it is refused at once; once no step has refreshed the estimate for a while, one
+    request is let in to measure the machine again."""
+    est = measured(3.0, 1)
+    arrival = Arrival(seqs=1, tokens_per_seq=64, work=64)
+    refusal = decide(arrival, _busy(0, 0.0), est, LIMITS, now=est.updated + 1)
+    assert refusal is not None and refusal.reason == "expected_latency" and "alone" in refusal.message
+    assert decide(arrival, _busy(0, 0.0), est, LIMITS, now=est.updated + STALE_AFTER_S + 1) is None
 
 
 def test_a_timeout_shorter_than_the_expected_latency_is_refused_with_its_own_reason():

@@ -7,7 +7,7 @@ sequences it ran and the decode-equivalent tokens it completed (output tokens, p
 
 * `step_seconds(b)`: what one sequence waits for each of its tokens. A step costs a fixed part plus a part
   per sequence, step(b) ~ step(m) x (F + b) / (F + m) from the measured batch m, with F =
-  `BATCH_OVERHEAD_SEQS`; a smaller batch than measured is not assumed faster;
+  `BATCH_OVERHEAD_SEQS`;
 * `throughput(b)`: decode-equivalent tokens per second at b sequences, the drain rate of a queue.
 
 A step's period is the time since the previous step's output when the engine stayed busy in between (it had
@@ -17,6 +17,8 @@ the figures are guessed from the engine's warm-up decode step (timed at start-up
 machine's load then), or from `DEFAULT_OUTPUT_RATE` when there was none.
 """
 from __future__ import annotations
+
+import time
 
 # A prompt token costs about a fifth of an output token at full batch on the CPU path: prefill runs
 # at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (PERFORMANCE.md, this machine).
@@ -37,6 +39,10 @@ DEFAULT_BATCH = 64
 # Weight of the newest step in the moving averages: about the last 1 / STEP_ALPHA = 4 steps count, ~1.5 s
 # at a full batch of 64 here (0.3-0.4 s per step), so a slow-down shows within a couple of seconds.
 STEP_ALPHA = 0.25
+# An estimate not refreshed by a measured step for this long is stale: an idle engine then admits one request
+# it would otherwise refuse, as a probe of the machine's speed now (else a server started or left on a busy
+# machine would refuse everything forever once the machine is quiet again).
+STALE_AFTER_S = 60.0
 # A period longer than this is not a step of a busy engine (a pause of the process, a debugger): skipped.
 MAX_STEP_PERIOD_S = 30.0
 
@@ -50,11 +56,13 @@ class LoadEstimator:
         self._seconds = full * (BATCH_OVERHEAD_SEQS + 1) / (BATCH_OVERHEAD_SEQS + DEFAULT_BATCH)
         self._batch = self._work = 1.0
         self._last: float | None = None  # timestamp of the previous step, when the engine stayed busy after it
+        self.updated = time.monotonic()  # when the figures were last calibrated or measured
 
     def calibrate(self, warmup_decode_seconds: float) -> None:
         """The prior from the engine's warm-up decode step of one sequence (seconds; 0: unknown, keep the default)."""
         if warmup_decode_seconds > 0 and not self.measured:
             self._seconds, self._batch, self._work = PRIOR_MARGIN * warmup_decode_seconds, 1.0, 1.0
+            self.updated = time.monotonic()
 
     def observe_step(self, timestamp: float, output_tokens: int, step_tokens: int, running: int,
                      busy_after: bool) -> None:
@@ -68,6 +76,7 @@ class LoadEstimator:
             return
         work = output_tokens + max(0, step_tokens - output_tokens) * PROMPT_TOKEN_WEIGHT
         batch = max(1, running, output_tokens)
+        self.updated = time.monotonic()
         if not self.measured:
             self._seconds, self._batch, self._work, self.measured = period, batch, work, True
             return
@@ -83,8 +92,14 @@ class LoadEstimator:
 
     def step_seconds(self, batch: int) -> float:
         """Expected seconds of one engine step with `batch` sequences: between two tokens of each."""
-        scale = (BATCH_OVERHEAD_SEQS + batch) / (BATCH_OVERHEAD_SEQS + self._batch)
-        return self._seconds * max(1.0, scale)
+        return self._seconds * (BATCH_OVERHEAD_SEQS + batch) / (BATCH_OVERHEAD_SEQS + self._batch)
+
+    def alone_seconds(self, batch: int) -> float:
+        """step_seconds without the prior's safety margin: what a request running alone is expected to see."""
+        return self.step_seconds(batch) / (1.0 if self.measured else PRIOR_MARGIN)
+
+    def stale(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) - self.updated > STALE_AFTER_S
 
     def throughput(self, batch: int) -> float:
         """Decode-equivalent tokens per second with `batch` sequences running."""

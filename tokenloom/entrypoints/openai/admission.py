@@ -86,7 +86,7 @@ def _retry(seconds: float) -> int:
 
 
 def decide(arrival: Arrival, load: EngineLoad, speed: LoadEstimator, limits: Limits,
-           mean_latency: float = 1.0) -> Refusal | None:
+           mean_latency: float = 1.0, now: float | None = None) -> Refusal | None:
     """None: admit. Otherwise why not, checked in this order: the count backstop, the request's own timeout,
     the expected latency, the wait."""
     waiting_after = max(load.inflight_seqs + arrival.seqs - load.slots,
@@ -97,16 +97,21 @@ def decide(arrival: Arrival, load: EngineLoad, speed: LoadEstimator, limits: Lim
         # A request wider than the whole queue still gets in when nothing else is there.
         return Refusal("queue_full", f"the server is overloaded: {max(0, load.inflight_seqs - load.slots)} "
                        f"sequence(s) already wait for a slot (limit {limit})", _retry(mean_latency))
+    cap = limits.max_expected_latency
     if not busy and load.queued_work <= 0:
-        # Idle: nothing waits ahead, and refusing on a speed estimate would turn a possible answer into a
-        # certain refusal (a request that then runs past its own timeout still ends with 504).
+        # Idle: nothing waits ahead. Refused only when even alone it is expected to run past the limit (the
+        # machine is that slow: measured, or at start-up from the warm-up step), unless that is stale (then it
+        # runs as a probe); its own timeout is left to the 504 path, not refused on an estimate.
+        alone = arrival.tokens_per_seq * speed.alone_seconds(arrival.seqs)
+        if cap is not None and alone > cap and not speed.stale(now):
+            return Refusal("expected_latency", f"the server is overloaded: even alone this request is expected to "
+                           f"take {alone:.0f} s, more than the limit of {cap:g} s", _retry(alone - cap))
         return None
     est = estimate(arrival, load, speed)
     own = arrival.timeout
     if own is not None and est.latency > own:
         return Refusal("timeout_too_short", f"the expected time to complete, {est.latency:.1f} s, is longer than "
                        f"the request's timeout of {own:g} s", _retry(est.latency - own))
-    cap = limits.max_expected_latency
     if cap is not None and est.latency > cap:
         return Refusal("expected_latency", f"the server is overloaded: the expected time to complete is "
                        f"{est.latency:.0f} s, more than the limit of {cap:g} s", _retry(est.latency - cap))
