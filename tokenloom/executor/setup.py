@@ -127,9 +127,12 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     attention = attention_backend()
     shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                 for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
-                               leave=False)]
+    if getattr(loaded.model, "is_encoder", False):  # never read nor written: views of one element, no memory
+        kv_caches = [torch.zeros((), dtype=kv_dtype, device=device).expand(shape) for _ in range(arch.num_layers)]
+    else:
+        kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
+                     for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer",
+                                   disable=not progress, leave=False)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
