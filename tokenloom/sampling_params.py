@@ -139,6 +139,9 @@ class SamplingParams:
     logprobs_mode: str = "raw"
     # With a reasoning parser: end the reasoning after this many tokens by forcing its end marker.
     thinking_token_budget: int | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the engine computes the whole prompt in one step and
+    # answers its pooled hidden state; nothing is sampled.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, None, "an int >= 1")
@@ -180,7 +183,7 @@ class SamplingParams:
             self.allowed_token_ids = _check_token_ids(
                 "allowed_token_ids", self.allowed_token_ids, allow_empty=False)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "embed"):
             _check_bool(name, getattr(self, name))
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, None,

@@ -17,9 +17,10 @@ import time
 
 import httpx
 
-# Light settings: small context and KV cache, fine for 2 CPU cores.
+# Light settings: small context and KV cache, fine for 2 CPU cores. No admission by expected time: what a test
+# may send must not depend on how busy the machine is (the admission tests set it themselves).
 BASE_ARGS = ["--max-model-len", "2048", "--num-blocks", "256", "--max-num-seqs", "64",
-             "--max-num-batched-tokens", "512", "--log-level", "warning"]
+             "--max-num-batched-tokens", "512", "--log-level", "warning", "--max-expected-latency", "0"]
 MODEL = "smollm2-135m-instruct"
 _READY = re.compile(r"tokenloom serving (\S+) at (http://\S+)")
 
@@ -57,10 +58,10 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, *extra_args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
-                 base_args: list[str] | None = None):
+                 base_args: list[str] | None = None, model: str = MODEL):
         self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-server-", suffix=".log", delete=False)
         base = BASE_ARGS if base_args is None else base_args
-        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", MODEL, "--port", "0", *base, *extra_args]
+        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", model, "--port", "0", *base, *extra_args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=full_env, text=True)

@@ -1,6 +1,6 @@
-"""Admission by expected wait (issue 21, item 1) and clients that stop reading (D3), on the real server.
+"""Admission by expected completion time (issue 21, item 1) and clients that stop reading (D3), on the real server.
 
-A reduced engine (4 slots, a short --max-queue-wait) stands in for the issue's 400-request flood: every
+A reduced engine (4 slots, a short --max-expected-latency) stands in for the issue's 400-request flood: every
 request gets a clean answer at once or is admitted and finishes, none waits past the client's timeout.
 The full flood (400 requests, default flags, 180 s client timeout) is the `slow` test at the end.
 """
@@ -17,13 +17,13 @@ import pytest
 from server_harness import ServerProcess, metric_values, wait_idle
 
 MAX_NUM_SEQS = 4
-MAX_QUEUE_WAIT = 6.0
+MAX_EXPECTED_LATENCY = 6.0
 WRITE_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-wait", str(MAX_QUEUE_WAIT),
+    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS), "--max-expected-latency", str(MAX_EXPECTED_LATENCY),
                         "--max-waiting-requests", "64")
     try:
         yield srv
@@ -62,48 +62,62 @@ def check_flood(results: list[tuple], client_timeout: float, max_tokens: int) ->
         err = r.json()["error"]
         assert err["code"] == "server_overloaded" and err["type"] == "server_error" and err["message"]
         assert int(r.headers["Retry-After"]) >= 1
-    assert max(dt for dt, _ in ok) < client_timeout
+    assert max((dt for dt, _ in ok), default=0) < client_timeout
     return ok, rejected
 
 
 def test_flood_gets_clean_answers_and_admitted_requests_finish(server):
     # a short busy period first, so that the engine's rate is measured rather than assumed
     asyncio.run(_flood(server.url, MAX_NUM_SEQS, {"max_tokens": 16, "ignore_eos": True}, 120.0))
-    before = metrics(server).get('tokenloom:request_rejected_total{reason="queue_wait"}', 0)
+    before = metrics(server).get('tokenloom:request_rejected_total{reason="expected_latency"}', 0)
     body = {"max_tokens": 16, "ignore_eos": True, "temperature": 0}
-    client_timeout = 120.0
+    client_timeout = 180.0
     results = asyncio.run(_flood(server.url, 40, body, client_timeout))
     ok, rejected = check_flood(results, client_timeout, 16)
-    assert len(ok) >= MAX_NUM_SEQS and rejected, (len(ok), len(rejected))
+    # how many get in depends on the machine's speed at the time (the estimate follows it); on a machine so
+    # busy that one request alone is expected to take longer than the limit, none does
+    assert rejected, len(ok)
+    assert ok or all("alone" in r.json()["error"]["message"] for _, r in rejected), rejected[0][1].text
     # rejections come at once, not after waiting in the queue
     assert max(dt for dt, _ in rejected) < 5
     m = wait_idle(server)
-    assert m['tokenloom:request_rejected_total{reason="queue_wait"}'] - before == len(rejected)
+    assert m['tokenloom:request_rejected_total{reason="expected_latency"}'] - before == len(rejected)
 
 
-def test_timeout_shorter_than_the_estimated_wait_is_refused_at_once(server):
-    """With the batch full and work queued, a request whose own timeout is below its estimated wait gets
+@pytest.fixture(scope="module")
+def busy_server():
+    """4 slots and no latency limit, so that a queue builds however slow the machine is."""
+    srv = ServerProcess("--max-num-seqs", str(MAX_NUM_SEQS))
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def test_timeout_shorter_than_the_expected_latency_is_refused_at_once(busy_server):
+    """With the batch full and work queued, a request whose own timeout is below its expected latency gets
     503 at once (not a 504 after waiting), and one with a generous timeout is not refused for it."""
+    server = busy_server
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
             busy = [asyncio.ensure_future(c.post("/v1/completions", json={
                 "prompt": f"Story {i}:", "max_tokens": 32, "ignore_eos": True})) for i in range(8)]
             await asyncio.sleep(1.5)  # admitted and running / queued
             t0 = time.time()
             short = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 0.5})
             short_dt = time.time() - t0
-            long = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 100})
+            long = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 10000})
             return short, short_dt, long, await asyncio.gather(*busy)
 
     short, short_dt, long, busy = asyncio.run(main())
     assert short.status_code == 503, short.text
     assert short.json()["error"]["code"] == "server_overloaded" and "timeout" in short.json()["error"]["message"]
     assert short_dt < 2 and int(short.headers["Retry-After"]) >= 1
-    # a generous timeout is not refused for it (the queue-wait limit may still apply)
-    assert long.status_code == 200 or "timeout" not in long.json()["error"]["message"], long.text
-    assert all(r.status_code in (200, 503) for r in busy)
+    assert long.status_code == 200, long.text  # a generous timeout is not refused for it
+    assert all(r.status_code == 200 for r in busy)
     m = wait_idle(server)
-    assert m['tokenloom:request_rejected_total{reason="timeout_below_wait"}'] >= 1
+    assert m['tokenloom:request_rejected_total{reason="timeout_too_short"}'] >= 1
 
 
 def _stalled_stream(url: str, body: dict) -> socket.socket:
@@ -129,10 +143,16 @@ def _status(sock: socket.socket, timeout: float = 60.0) -> int:
     return int(head[9:12])
 
 
+STALL_SLOTS = 8
+
+
 @pytest.fixture(scope="module")
 def stall_server():
-    srv = ServerProcess("--max-num-seqs", "16", "--max-waiting-requests", "16", "--max-queue-wait", "0",
-                        "--stream-write-timeout", str(WRITE_TIMEOUT))
+    # The echoed prompt's logprobs (1,000 positions x 49,152 logits) made a step run past the default 30 s
+    # step timeout on this machine under load, which declared the engine hung: not what this test is about.
+    srv = ServerProcess("--max-num-seqs", str(STALL_SLOTS), "--max-waiting-requests", str(STALL_SLOTS),
+                        "--max-expected-latency", "0", "--stream-write-timeout", str(WRITE_TIMEOUT),
+                        "--engine-step-timeout", "600")
     try:
         yield srv
     finally:
@@ -143,42 +163,49 @@ def _finished(m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("tokenloom:request_success_total"))
 
 
-@pytest.mark.slow  # timing-sensitive: it failed 3 times in ~6 runs under load (see the session 4 note)
+def _socket_buffer_limit() -> int:
+    """The most bytes the kernel can hold for one unread loopback connection (the sender's largest send
+    buffer; the reader's receive buffer is set to 2 KiB), plus asyncio's 64 KiB write buffer."""
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        return int(f.read().split()[2]) + 64 * 1024
+
+
 def test_clients_that_never_read_do_not_hold_admission(stall_server):
-    """D3 (the probe's request): 2 streams of n=16 (32 sequences) whose clients never read. Each echoes its
-    ~500-token prompt with 20 logprobs per token in every choice (~5 MB, more than the socket buffers
-    hold), so the server's writes block. The write timeout ends both streams (their engine requests are
-    aborted and their connections closed), and a request of n=4 (32 + 4 > 16 slots + 16 waiting under
-    the old count of unsent responses) is admitted while the stalled sockets are still open."""
+    """D3 (the probe's request): a stream of n=16 whose client never reads. It echoes its ~1,000-token prompt
+    with 20 logprobs per token in every choice, ~10 MB, more than the socket buffers can hold (a lower bound
+    is checked), so the server's writes block. The write timeout ends the stream (its engine request is aborted or already done,
+    and the connection closes), and a request of n=4 (16 + 4 > 8 slots + 8 waiting under the old count of
+    unsent responses) is admitted while the stalled socket is still open."""
     server = stall_server
-    prompt = "The history of the city is long and old. " * 50
-    body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 4,
+    prompt = "The history of the city is long and old. " * 100
+    body = {"prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "stream": True, "max_tokens": 2,
             "ignore_eos": True}
+    prompt_tokens = len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"])
+    # each of the 20 top logprobs of a prompt token takes at least 16 bytes (`"x": -1.2345678,`; ~30 in fact)
+    assert 16 * prompt_tokens * 20 * 16 > _socket_buffer_limit(), prompt_tokens
     before = _finished(metrics(server))
-    socks = [_stalled_stream(server.url, body) for _ in range(2)]
+    sock = _stalled_stream(server.url, body)
     try:
-        assert [_status(s) for s in socks] == [200, 200]
-        deadline = time.time() + 120
-        while _finished(m := metrics(server)) - before < 2:  # both ended in the engine; nobody read
+        assert _status(sock) == 200
+        deadline = time.time() + 180
+        while _finished(m := metrics(server)) - before < 1:  # it ended in the engine; nobody read
             assert time.time() < deadline, {k: v for k, v in m.items() if "request" in k}
             time.sleep(0.2)
         wait_idle(server, timeout=60)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4}, timeout=60)
-        assert r.status_code == 200, r.text  # before the fix: 503 for as long as the sockets stayed open
-        # the stalled streams were cut off: each connection reaches EOF after what was already sent
-        for s in socks:
-            s.settimeout(WRITE_TIMEOUT + 30)
-            received = b""
-            while True:
-                chunk = s.recv(1 << 20)
-                if not chunk:
-                    break
-                received += chunk
-            assert received.startswith(b"HTTP/1.1 200")
-            assert b"data: [DONE]" not in received, len(received)
+        assert r.status_code == 200, r.text  # before the fix: 503 for as long as the socket stayed open
+        # the stalled stream was cut off: the connection reaches EOF after what was already sent
+        sock.settimeout(WRITE_TIMEOUT + 60)
+        received = b""
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b"data: [DONE]" not in received, len(received)
     finally:
-        for s in socks:
-            s.close()
+        sock.close()
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                       timeout=60).status_code == 200
 
@@ -190,8 +217,10 @@ def test_full_flood_default_flags():
     srv = ServerProcess(base_args=[])
     try:
         results = asyncio.run(_flood(srv.url, 400, {"max_tokens": 64, "ignore_eos": True}, 180.0))
-        ok, rejected = check_flood(results, 180.0, 64)
-        print(f"flood: {len(ok)} answered 200 (slowest {max(dt for dt, _ in ok):.0f} s), "
-              f"{len(rejected)} got 503 (slowest {max((dt for dt, _ in rejected), default=0):.1f} s)")
+        counts = {s: sum(1 for r in results if r[0] == s) for s in {r[0] for r in results}}
+        print(f"flood: {counts}; the last answer after {max(dt for _, dt, _ in results):.1f} s; slowest 200 "
+              f"{max((dt for s, dt, _ in results if s == 200), default=0):.1f} s, slowest 503 "
+              f"{max((dt for s, dt, _ in results if s == 503), default=0):.1f} s")
+        check_flood(results, 180.0, 64)
     finally:
         srv.terminate()

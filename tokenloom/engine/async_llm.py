@@ -21,7 +21,9 @@ from typing import Any, AsyncIterator
 
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
 from tokenloom.metrics import ServerMetrics
+from tokenloom.model.pooler import PoolingConfig
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -37,48 +39,6 @@ LOG_LEVELS = ("off", "lifecycle", "stages", "full")
 
 # generation_config.json keys that become server-side sampling defaults.
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-# A prompt token costs about a fifth of an output token at full batch on the CPU path: prefill runs
-# at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (PERFORMANCE.md, this machine).
-PROMPT_TOKEN_WEIGHT = 0.2
-# Output tokens/s assumed before the engine has been measured (a flood that arrives at once is admitted
-# on this alone): a quarter of the batched serving rate measured here unloaded (164.8 output tokens/s,
-# PERFORMANCE.md). With 100, a cold flood of 400 x 64 tokens admitted 92 requests, which took 96 s on a
-# quiet machine and timed out (> 180 s) with other work on its 2 cores; too high a guess fails requests,
-# too low one only refuses (503) more of the first burst until the rate is measured.
-DEFAULT_OUTPUT_RATE = 40.0
-# The measured rate is a moving average over about this many seconds of busy engine time.
-RATE_WINDOW_S = 10.0
-
-
-class LoadEstimator:
-    """The engine's recent output rate (tokens per second of busy engine time, a moving average over
-    `RATE_WINDOW_S`) and, with the open requests' remaining work, the expected wait of a new arrival.
-
-    Only gaps between consecutive engine steps while requests were open count as busy time, so
-    idle periods do not dilute the rate."""
-
-    def __init__(self, prior_rate: float = DEFAULT_OUTPUT_RATE) -> None:
-        self.rate = prior_rate
-        self.measured = False
-        self._last_step: float | None = None
-
-    def observe_step(self, timestamp: float, output_tokens: int, busy: bool) -> None:
-        last, self._last_step = self._last_step, timestamp if busy else None
-        if last is None or not busy:
-            return
-        dt = timestamp - last
-        if dt <= 0 or dt > RATE_WINDOW_S:
-            return
-        sample = output_tokens / dt
-        alpha = min(1.0, dt / RATE_WINDOW_S)
-        self.rate = sample if not self.measured else (1 - alpha) * self.rate + alpha * sample
-        self.measured = True
-
-    def wait_for(self, work_ahead: float) -> float:
-        """Seconds until `work_ahead` decode-equivalent tokens are done at the current rate."""
-        return work_ahead / max(self.rate, 1e-3)
 
 
 class Reservation:
@@ -246,6 +206,7 @@ class AsyncLLM:
             raise
         if tok_task is not None:
             self.tokenizer = await tok_task
+        self.load.calibrate(float(self.info.get("warmup_decode_seconds") or 0.0))
         vocab_size = int(self.info.get("vocab_size") or self.tokenizer.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len, vocab_size,
                                               list(self.info.get("eos_token_ids") or []))
@@ -284,6 +245,8 @@ class AsyncLLM:
             self.fail_all(EngineDeadError("the engine died"))
             self.client = self._new_client()
             self.info = await self.client.start(startup_timeout=startup_timeout)
+            self.load = LoadEstimator()
+            self.load.calibrate(float(self.info.get("warmup_decode_seconds") or 0.0))
             self.num_restarts += 1
             if self.metrics is not None:
                 self.metrics.engine_restarts.inc()
@@ -297,6 +260,15 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return int(self.info.get("max_model_len") or self.config.model.max_model_len)
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """Set when the engine embeds (serves /v1/embeddings, not generation); see tokenloom/model/pooler.py."""
+        p = self.info.get("pooling")
+        if not p:
+            return None
+        m = p.get("matryoshka", False)
+        return PoolingConfig(p["method"], p["normalize"], p["dimensions"], tuple(m) if isinstance(m, list) else m)
 
     @property
     def is_healthy(self) -> bool:
@@ -490,8 +462,10 @@ class AsyncLLM:
         metrics = self.metrics
         if metrics is not None:
             metrics.observe_iteration(msg.num_step_tokens)
-        self.load.observe_step(msg.timestamp, sum(len(o.new_token_ids) for o in msg.outputs),
-                               busy=bool(self._requests))
+        stats = msg.stats or {}
+        running = int(stats.get("num_running", 0) or 0)
+        self.load.observe_step(msg.timestamp, sum(len(o.new_token_ids) for o in msg.outputs), msg.num_step_tokens,
+                               running, busy_after=bool(running or stats.get("num_waiting")))
         errors: dict[str, str] = {}
         outputs = []
         for o in msg.outputs:

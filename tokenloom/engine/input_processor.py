@@ -82,6 +82,12 @@ class InputProcessor:
             raise RequestValidationError(f"bad_words has {len(params.bad_words)} entries; the limit is "
                                          f"{limits.max_bad_words}", "bad_words")
         ctx = self.max_model_len
+        if params.embed:  # one whole prefill: within the context and one step's token budget
+            limit = min(ctx, self.config.scheduler.max_num_batched_tokens)
+            if n > limit:
+                raise RequestValidationError(f"the input has {n} tokens; this model embeds at most {limit} "
+                                             f"tokens per input", "prompt", "context_length_exceeded")
+            return params
         if n >= ctx:
             raise RequestValidationError(
                 f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens, "

@@ -36,6 +36,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's result (it finishes in the same output)
     # Timestamps (time.time()) for metrics.
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0

@@ -11,7 +11,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.outputs import RequestOutput
+from tokenloom.model.pooler import PoolingConfig, truncate
+from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import Tokenizer
@@ -68,6 +69,37 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """Set when this engine embeds (an encoder, or --runner pooling / --convert embed); None: it generates."""
+        return self.engine.info.pooling
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in input order, batched by the scheduler like any
+        request (each one prefill); `dimensions` truncates where the model allows it (Matryoshka)."""
+        pooling = self.pooling
+        if pooling is None:
+            raise ValueError("this model generates: embeddings need an embedding model (e.g. all-minilm-l6-v2) "
+                             "or runner='pooling' / convert='embed'")
+        problem = pooling.check_dimensions(dimensions)
+        if problem:
+            raise ValueError(problem)
+        prompts = _as_list(prompts)
+        ids = self._add(prompts, SamplingParams(max_tokens=1, embed=True), None)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Embedding", unit="input", disable=not use_tqdm)
+        try:
+            for out in self._run():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        finally:
+            bar.close()
+        return [EmbeddingRequestOutput(i, finished[i].prompt_token_ids,
+                                       EmbeddingOutput(truncate(finished[i].embedding, dimensions, pooling)))
+                for i in ids]
+
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                         ) -> Iterator[RequestOutput]:
@@ -98,6 +130,10 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        embeds = self.pooling is not None
+        if any(p.embed != embeds for p in params_list):
+            raise ValueError("this model embeds: use LLM.embed()" if embeds else
+                             "this model generates: embedding requests need an embedding model")
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             rid = str(next(self._ids))

@@ -96,3 +96,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # A worker-side proposer's drafts for the next step, per key that sampled (the scheduler verifies them
     # next step through spec_token_ids, or a prefix of them).
     draft_token_ids: dict[str, list[int]] = {}
+    pooled: dict[str, list[float]] = {}  # embedding requests computed this step: key -> embedding

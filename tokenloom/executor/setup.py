@@ -3,6 +3,7 @@ its KV cache, build the runner. The block pool that hands those blocks out lives
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
+from tokenloom.model.pooler import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
 from tokenloom.spec_decode.draft_model import build_drafter, check_draft_vocabulary
@@ -35,6 +37,7 @@ class WorkerSetup:
     num_blocks: int
     block_size: int
     max_model_len: int
+    warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step: the machine's speed at start
 
     @property
     def arch(self) -> ArchConfig:
@@ -111,6 +114,8 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
+    # Embeddings (tokenloom/model/pooler.py): the runner pools the model's hidden states when this is set.
+    pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path, arch.hidden_size)
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
@@ -135,13 +140,19 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     # With graphs, one block more than the pool hands out: the padding rows' scratch block.
     shape = attention.kv_cache_shape(num_blocks + graphs, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                 for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
-                               leave=False)]
+    if getattr(loaded.model, "is_encoder", False):  # never read nor written: views of one element, no memory
+        kv_caches = [torch.zeros((), dtype=kv_dtype, device=device).expand(shape) for _ in range(arch.num_layers)]
+    else:
+        kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
+                     for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer",
+                                   disable=not progress, leave=False)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
                           f"({arch.max_position_embeddings})")
+    trained = sentence_max_length(loaded.path) if pooling is not None else None
+    if trained and trained < max_len and not config.model.max_model_len:
+        max_len = trained
     window = arch.sliding_window
     if window and window < max_len:
         logger.warning("max_model_len clamped from %d to %d: the model attends over a sliding window of %d "
@@ -158,8 +169,9 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if draft is not None:
         runner.drafter = build_drafter(draft.model, draft.arch, num_blocks, block_size, kv_dtype, device,
                                        config.speculative_config.num_speculative_tokens, max_len)
+    runner.pooling = pooling
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
-    _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, progress)
     if graphs:
         runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
     if tp_group().is_first:
@@ -202,8 +214,12 @@ def _load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, d
 
 
 @torch.inference_mode()
-def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
-    """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
+def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> float:
+    """One small prefill and one decode, so the first request does not pay for lazy initialisation. Returns
+    the decode's seconds (admission's first guess of the engine's speed, before any request is measured)."""
+    if getattr(model, "is_encoder", False):  # no KV cache, no head: one whole short sequence
+        model(torch.zeros(8, dtype=torch.long, device=device), torch.arange(8, device=device))
+        return 0.0
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
         table = torch.zeros(1, dtype=torch.long, device=device)
@@ -214,11 +230,18 @@ def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
         mask = (torch.arange(block_size, device=device) <= n).view(1, 1, 1, -1)
         meta = AttentionMetadata(torch.tensor([n], device=device), 1, table.view(1, 1),
                                  torch.tensor([n + 1], device=device), mask, [])
-        model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
-                                   torch.tensor([n], device=device), kv_caches, meta))
+        seconds = float("inf")
+        for _ in range(2):  # the first call pays for lazy set-up; the faster of two is the step's time
+            start = time.perf_counter()
+            model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
+                                       torch.tensor([n], device=device), kv_caches, meta))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = min(seconds, time.perf_counter() - start)
         bar.update(1)
     for cache in kv_caches:
         cache[:, 0].zero_()
+    return seconds
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
@@ -235,5 +258,6 @@ def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtyp
     with torch.inference_mode():
         hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % 
                        arch.max_position_embeddings, caches, meta)
-        model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
+        if not getattr(model, "is_encoder", False):
+            model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
     del caches, hidden

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.model.pooler import PoolingConfig
+
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
     model_path: str
@@ -18,6 +20,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     tensor_parallel_size: int
     summary: str  # one line for the log: the KV cache and how many full-length requests fit
+    warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step (admission's first speed guess)
+    pooling: PoolingConfig | None = None  # set: an embedding engine (pooled hidden states, no generation)
 
     @property
     def full_length_requests(self) -> int:

@@ -39,6 +39,9 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # Tokens each position attends back over, when the model limits it (Mistral's sliding_window); None: all.
     sliding_window: int | None = None
+    # Encoders (BERT): LayerNorm epsilon and the token-type vocabulary.
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 2
 
     def check_tensor_parallel(self, size: int) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
@@ -80,6 +83,8 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             sliding_window=_sliding_window(cfg),
+            layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            type_vocab_size=cfg.get("type_vocab_size", 2),
         )
 
     @classmethod

@@ -15,6 +15,7 @@ from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, Sche
 from tokenloom.executor.request_state import RequestState
 from tokenloom.model.host_copy import tensor_on
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
+from tokenloom.model.pooler import PoolingConfig, pool
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer
@@ -30,6 +31,8 @@ class TokenOutOfVocabulary(IndexError):
 
 
 class ModelRunner:
+    pooling: PoolingConfig | None = None  # set by the worker's setup on an embedding engine (model/pooler.py)
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend):
         self.model = model
@@ -71,17 +74,19 @@ class ModelRunner:
         # Decodes first, shortest context first, so each attention group pads only to its own longest.
         scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            ids, pos, slots, spans, logit_rows = self._prepare(scheduled, step.spec_token_ids)
+            ids, pos, slots, spans, logit_rows, pool_spans = self._prepare(scheduled, step.spec_token_ids)
         with PROFILER.section("forward"):
             hidden = self._forward(ids, pos, slots, spans)
+            pooled = {key: pool(hidden[first:first + n], self.pooling).tolist() for key, first, n in pool_spans}
             if not logit_rows:
-                return ModelRunnerOutput() if tp_group().is_first else None
+                return ModelRunnerOutput(pooled=pooled) if tp_group().is_first else None
             with PROFILER.section("matmul"):
                 logits = self.model.compute_logits(self._rows(hidden, [row for _, row, _ in logit_rows]))
         out = None
         if logits is not None:  # the first rank; the others only contributed their share of the vocabulary
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
+                out.pooled = pooled
         forking = {r.key for r, _, samples in logit_rows if samples and r.forks}
         self._fork_sampled(logit_rows)
         if out is not None and self.drafter is not None and step.propose_drafts:
@@ -104,6 +109,7 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[ScheduledSpan] = []
         logit_rows: list[tuple[RequestState, int, bool]] = []  # (sequence, flat row, samples?)
+        pool_spans: list[tuple[str, int, int]] = []  # embedding requests: (key, first row, rows), whole prompts
         for r, n in scheduled:
             start = r.num_computed_tokens
             end = start + n
@@ -117,6 +123,9 @@ class ModelRunner:
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             spans.append(ScheduledSpan(first, start, n, table))
+            if r.params.embed:  # the scheduler gives it its whole prompt in one step
+                pool_spans.append((r.key, first, n))
+                continue
             if r.params.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
                 upto = min(end, r.num_prompt_tokens - 1)
                 logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
@@ -128,7 +137,7 @@ class ModelRunner:
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise TokenOutOfVocabulary(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
-        return ids, pos, slots, spans, logit_rows
+        return ids, pos, slots, spans, logit_rows, pool_spans
 
     def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
         """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, else

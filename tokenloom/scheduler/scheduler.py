@@ -126,9 +126,12 @@ class Scheduler:
                     break
                 budget += freed
                 continue
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            embed = req.params.embed  # one whole prefill, never chunked nor served from the prefix cache
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not embed else []
             num_cached_tokens = len(cached) * self.kv.block_size
-            n = self._chunk(req, req.num_tokens - num_cached_tokens, budget)
+            n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens, budget)
+            if n > budget:
+                break  # next step (validation keeps an embedding prompt within one step's budget)
             if not self.kv.allocate(req, n, cached):
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
@@ -281,6 +284,13 @@ class Scheduler:
             if r is None:
                 continue
             r.num_computed_tokens += n
+            embedding = result.pooled.get(key)
+            if embedding is not None:  # an embedding request is done after its one step
+                self.finish(r, "stop")
+                out = engine_output(r, [])
+                out.embedding = embedding
+                outputs.append(out)
+                continue
             drafts = step.spec_token_ids.get(key)
             if drafts is None:
                 self.kv.cache_computed_blocks(r)

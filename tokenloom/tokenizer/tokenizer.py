@@ -139,6 +139,10 @@ class Tokenizer:
             inner = HFTokenizer.from_file(str(tok_file))
         except Exception as e:
             raise TokenizerError(f"cannot load tokenizer from {tok_file}: {e}") from e
+        # A file's batch settings (all-MiniLM-L6-v2's pads and truncates to 128): tokenloom encodes one text at a
+        # time and refuses over-long inputs itself, never silently cutting them.
+        inner.no_padding()
+        inner.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")

