@@ -1,0 +1,50 @@
+"""A sparse mixture-of-experts block: a router picks top-k experts per token, their outputs are summed by
+the router's weights, plus a gated shared expert in families that have one (Qwen2-MoE).
+
+Routing, as the families define it (and transformers computes it, in float32):
+- softmax over all experts, then the top k; with `renormalize` the k weights are divided by their sum.
+  Mixtral always renormalizes (the same as a softmax over the top-k logits); Qwen-MoE does when its
+  config's `norm_topk_prob` says so.
+- the shared expert (a dense gated MLP every token passes through) is scaled by sigmoid(shared_gate(x)).
+
+The router and the shared gate are small and replicated on every rank; the experts are `FusedMoE`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.model.layers.fused_moe import FusedMoE
+from tokenloom.model.layers.linear import Linear
+from tokenloom.model.layers.mlp import GatedMLP
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) of the k most probable experts of each token."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """Checkpoint names under the block: `gate` (router), `experts.*`, `shared_expert.*`, `shared_expert_gate`."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_expert_intermediate_size: int = 0):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
