@@ -115,3 +115,12 @@ def test_experts_that_do_not_divide_over_the_ranks_are_a_config_error():
     with pytest.raises(ConfigError, match="^expert parallel over 3 ranks does not divide the model's 8 experts"):
         arch.check_tensor_parallel(3, expert_parallel=True)
     arch.check_tensor_parallel(3)  # without expert parallel the 48-wide experts are sliced in three
+
+
+def test_the_vllm_flags_set_expert_parallel_and_its_placement():
+    from tokenloom.entrypoints.cli import build_parser
+    args = build_parser("serve").parse_args(["serve", "m", "-tp", "2", "--enable-expert-parallel",
+                                            "--expert-placement-strategy", "round_robin"])
+    parallel = EngineConfig.from_args(args).parallel
+    assert (parallel.enable_expert_parallel, parallel.expert_placement_strategy) == (True, "round_robin")
+    assert not EngineConfig.from_args(build_parser("serve").parse_args(["serve", "m"])).parallel.enable_expert_parallel
