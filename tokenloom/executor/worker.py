@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from tokenloom.config import EngineConfig
+from tokenloom.distributed.expert_parallel import init_expert_parallel
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.setup import _name, build_worker, pick_device
@@ -27,6 +28,7 @@ class Worker:
         parallel = self.config.parallel
         init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
                              pick_device(self.config.model.device))
+        init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
         select_attention_backend(self.config.model.attention_backend)
         self.setup = setup = build_worker(self.config, progress=self.progress)
         arch = setup.arch
@@ -47,3 +49,4 @@ class Worker:
 
     def shutdown(self) -> None:
         destroy_tensor_parallel()
+        init_expert_parallel(False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.loader.resolve import resolve_model_path
@@ -43,7 +44,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     path = resolve_model_path(model)
     source = open_model_source(path, dtype)
     arch = source.arch_config
-    arch.check_tensor_parallel(tp_group().size)
+    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch)
@@ -55,11 +56,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = set()
+    covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     for name, tensor in source.tensors(dtype):
         net.load_weight(name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
-        seen.add(name)
+        seen.update(covered(name))
         bar.update(1)
     bar.close()
     if not seen:
