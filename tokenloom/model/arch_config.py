@@ -15,7 +15,12 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # Mixture of experts (a "llama" file with experts is Mixtral: see from_gguf).
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Families whose router renormalizes its top-k weights when the file does not say (llama.cpp's defaults).
+_GGUF_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 @dataclass
@@ -39,8 +44,21 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # Tokens each position attends back over, when the model limits it (Mistral's sliding_window); None: all.
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense model). Layers listed in mlp_only_layers, or not a multiple of
+    # decoder_sparse_step, keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
-    def check_tensor_parallel(self, size: int) -> None:
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
         from tokenloom.config import ConfigError
         problems = []
@@ -50,8 +68,22 @@ class ArchConfig:
             problems.append(f"its {self.num_kv_heads} KV heads (nor is it a multiple of them)")
         if self.intermediate_size % size:
             problems.append(f"its MLP width {self.intermediate_size}")
+        if self.num_experts and not expert_parallel and self.moe_intermediate_size % size:
+            problems.append(f"its expert width {self.moe_intermediate_size} (--enable-expert-parallel shards "
+                            f"whole experts instead)")
         if problems:
             raise ConfigError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
+        if expert_parallel:
+            self.check_expert_parallel(size)
+
+    def check_expert_parallel(self, size: int) -> None:
+        from tokenloom.config import ConfigError
+        if not self.num_experts:
+            raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model ({self.architecture} "
+                              f"has no experts)")
+        if self.num_experts % size:
+            raise ConfigError(f"expert parallel over {size} ranks does not divide the model's {self.num_experts} "
+                              f"experts")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ArchConfig":
@@ -75,11 +107,12 @@ class ArchConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             sliding_window=_sliding_window(cfg),
+            **_hf_moe(cfg, arch),
         )
 
     @classmethod
@@ -101,10 +134,10 @@ class ArchConfig:
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
+            architecture="MixtralForCausalLM" if arch == "llama" and get("expert_count") else GGUF_ARCHITECTURES[arch],
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"),
+            intermediate_size=get("feed_forward_length") or get("expert_feed_forward_length"),
             num_layers=get("block_count"),
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv") or heads,
@@ -119,7 +152,35 @@ class ArchConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
             sliding_window=get("attention.sliding_window"),
+            **_gguf_moe(arch, get, tensor_names),
         )
+
+
+def _hf_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (Mixtral: num_local_experts, experts as wide as the MLP)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+
+
+def _gguf_moe(arch: str, get, tensor_names: set[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of GGUF metadata (llama.cpp keys `<arch>.expert_*`); a layer without a
+    router tensor keeps a dense MLP."""
+    experts = get("expert_count") or 0
+    if not experts:
+        return {}
+    dense = [i for i in range(get("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    return dict(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+                norm_topk_prob=bool(get("expert_weights_norm", _GGUF_MOE_RENORMALIZES.get(arch, True))),
+                shared_expert_intermediate_size=get("expert_shared_feed_forward_length") or 0,
+                mlp_only_layers=dense)
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
