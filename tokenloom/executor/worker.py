@@ -37,7 +37,8 @@ class Worker:
                           eos_token_ids=list(arch.eos_token_ids), device=str(setup.device), dtype=_name(setup.dtype),
                           kv_cache_dtype=_name(setup.runner.kv_caches[0].dtype), num_blocks=setup.num_blocks,
                           block_size=setup.block_size, max_model_len=setup.max_model_len,
-                          tensor_parallel_size=tp_group().size, summary=setup.summary())
+                          tensor_parallel_size=tp_group().size, summary=setup.summary(),
+                          kv_release_window=setup.kv_release_window)
 
     @property
     def runner(self):

@@ -18,6 +18,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     tensor_parallel_size: int
     summary: str  # one line for the log: the KV cache and how many full-length requests fit
+    # The sliding window every layer attends within (blocks behind it are freed); None: some layer reads all.
+    kv_release_window: int | None = None
 
     @property
     def full_length_requests(self) -> int:

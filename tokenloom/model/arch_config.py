@@ -1,7 +1,7 @@
 """The architecture hyper-parameters every model file needs, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -15,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     # Mixture of experts (a "llama" file with experts is Mixtral: see from_gguf).
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
@@ -42,8 +43,16 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Tokens each position attends back over, when the model limits it (Mistral's sliding_window); None: all.
+    # Tokens each position attends back over, itself included (HF's sliding_window); None: all. Which layers
+    # do: layer_types ("sliding_attention" | "full_attention" per layer), or every layer when it is None.
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Gemma 3: the windowed layers' rotary base, the query scale's denominator (scores * scalar**-0.5),
+    # tanh soft-capping of the final logits, the gated MLP's activation.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
     # Mixture of experts (0 experts: a dense model). Layers listed in mlp_only_layers, or not a multiple of
     # decoder_sparse_step, keep the dense MLP of intermediate_size.
     num_experts: int = 0
@@ -53,6 +62,20 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within; None: the whole context (a window as long as
+        the context is none)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return None
+        return self.sliding_window
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer attends within the window, so KV blocks behind it can be freed."""
+        return all(self.layer_window(i) is not None for i in range(self.num_layers))
 
     def is_sparse_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -93,7 +116,7 @@ class ArchConfig:
         arch = archs[0]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        return cls(
+        return replace(cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -112,8 +135,9 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             sliding_window=_sliding_window(cfg),
+            layer_types=cfg.get("layer_types"),
             **_hf_moe(cfg, arch),
-        )
+        ), **_hf_gemma3(cfg, arch))
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ArchConfig":
@@ -152,6 +176,7 @@ class ArchConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
             sliding_window=get("attention.sliding_window"),
+            **_gguf_gemma3(arch, get),
             **_gguf_moe(arch, get, tensor_names),
         )
 
@@ -181,6 +206,45 @@ def _gguf_moe(arch: str, get, tensor_names: set[str]) -> dict[str, Any]:
                 norm_topk_prob=bool(get("expert_weights_norm", _GGUF_MOE_RENORMALIZES.get(arch, True))),
                 shared_expert_intermediate_size=get("expert_shared_feed_forward_length") or 0,
                 mlp_only_layers=dense)
+
+
+def _hf_gemma3(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 3's fields of a HF config: per-layer attention kinds and rotary bases (transformers 5 nests the
+    bases in rope_parameters by layer kind; 4.x names them rope_theta and rope_local_base_freq)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    layers = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    kinds = cfg.get("layer_types") or [_gemma3_kind(i, pattern) for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    return dict(layer_types=list(kinds), qk_norm=True, tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                head_dim=cfg.get("head_dim", 256), rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
+                rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+                rope_scaling=_rope_scaling({"rope_scaling": scaling}) if scaling else None,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+
+
+def _gguf_gemma3(arch: str, get) -> dict[str, Any]:
+    """Gemma 3's fields of GGUF metadata. The file names the global rotary base and the window only; the
+    rest are llama.cpp's (and transformers') Gemma 3 defaults: every 6th layer global, local base 10000,
+    queries scaled by head_dim**-0.5, no soft-capping, GeLU(tanh)."""
+    if arch != "gemma3":
+        return {}
+    layers = get("block_count")
+    pattern = get("attention.sliding_window_pattern") or 6
+    return dict(layer_types=[_gemma3_kind(i, pattern) for i in range(layers)], rope_local_theta=10000.0,
+                query_pre_attn_scalar=float(get("attention.key_length") or 256),
+                final_logit_softcapping=get("final_logit_softcapping"), hidden_activation="gelu_pytorch_tanh")
+
+
+def _gemma3_kind(layer: int, pattern: int) -> str:
+    return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

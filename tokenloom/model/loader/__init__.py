@@ -83,8 +83,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
 def _reset_buffers(net: torch.nn.Module, arch: ArchConfig, device: torch.device) -> None:
     """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
     from tokenloom.model.layers.rotary import RotaryEmbedding
-    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+    rebuilt: dict[tuple, RotaryEmbedding] = {}  # one table per distinct rotary (Gemma 3: local and global)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
-            module.cos = rotary.cos.to(device)
-            module.sin = rotary.sin.to(device)
+            key = repr(module.args)
+            if key not in rebuilt:
+                rebuilt[key] = RotaryEmbedding(*module.args).to(device)
+            module.cos, module.sin = rebuilt[key].cos, rebuilt[key].sin
