@@ -1,4 +1,4 @@
-"""`tokenloom bench moe`: one mixture-of-experts layer timed four ways at decode batch sizes, and (with
+"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed four ways at decode batch sizes, and (with
 `--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
 `-tp 2 --enable-expert-parallel` run gives the expert-parallel figure.
 
@@ -26,6 +26,7 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--expert-width", type=int, default=256, help="each expert's intermediate size")
+    p.add_argument("--layers", type=int, default=8, help="MoE layers of distinct weights per timed step (default 8)")
     p.add_argument("--batch-sizes", default="1,8,32", help="tokens per step (default 1,8,32)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per figure (median reported)")
     p.add_argument("--save-model", default=None, metavar="DIR",
@@ -56,41 +57,54 @@ def _per_token(x, w13, w2, weights, ids):
     return out
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each function, timed in rounds (one call of each per round) so that a noisy machine's
+    slow spells fall on all of them alike."""
+    times = {name: [] for name in fns}
+    for name, fn in fns.items():
         fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 @torch.inference_mode()
-def time_layer(hidden: int, experts: int, top_k: int, width: int, batch: int, repeats: int) -> dict[str, float]:
+def time_layers(hidden: int, experts: int, top_k: int, width: int, layers: int, batch: int,
+                repeats: int) -> dict[str, float]:
+    """ms for `batch` tokens through `layers` MoE layers of distinct random weights (so that, as in a real
+    decode step, the experts come from memory rather than from a cache that holds one layer)."""
     g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(experts, 2 * width, hidden, generator=g) * 0.02
-    w2 = torch.randn(experts, hidden, width, generator=g) * 0.02
-    router = torch.randn(experts, hidden, generator=g) * 0.02
-    dense13 = torch.randn(2 * top_k * width, hidden, generator=g) * 0.02
-    dense2 = torch.randn(hidden, top_k * width, generator=g) * 0.02
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    moe = [(rand(experts, 2 * width, hidden), rand(experts, hidden, width), rand(experts, hidden))
+           for _ in range(layers)]
+    dense_weights = [(rand(2 * top_k * width, hidden), rand(hidden, top_k * width)) for _ in range(layers)]
     x = torch.randn(batch, hidden, generator=g)
 
     def routed(impl):
-        weights, ids = select_experts(F.linear(x, router), top_k, renormalize=True)
-        return impl(x, w13, w2, weights, ids)
+        def run():
+            return [impl(x, w13, w2, *select_experts(F.linear(x, router), top_k, renormalize=True))
+                    for w13, w2, router in moe]
+        return run
 
     def dense():
-        gate, up = F.linear(x, dense13).split(top_k * width, dim=-1)
-        return F.linear(F.silu(gate) * up, dense2)
+        outs = []
+        for w13, w2 in dense_weights:
+            gate, up = F.linear(x, w13).split(top_k * width, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2))
+        return outs
 
-    grouped = routed(grouped_experts)
-    torch.testing.assert_close(grouped, routed(_per_expert_masks), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(grouped, routed(_per_token), rtol=1e-4, atol=1e-5)
-    return {"grouped": _median_ms(lambda: routed(grouped_experts), repeats),
-            "per_expert_masks": _median_ms(lambda: routed(_per_expert_masks), repeats),
-            "per_token_loop": _median_ms(lambda: routed(_per_token), repeats),
-            "dense_same_active": _median_ms(dense, repeats)}
+    grouped = routed(grouped_experts)()
+    for reference in (routed(_per_expert_masks)(), routed(_per_token)()):
+        for a, b in zip(grouped, reference):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return _interleaved_medians({"grouped": routed(grouped_experts), "per_expert_masks": routed(_per_expert_masks),
+                                 "per_token_loop": routed(_per_token), "dense_same_active": dense}, repeats)
 
 
 def save_random_qwen3_moe(folder: str, hidden: int, experts: int, top_k: int, width: int) -> None:
@@ -107,11 +121,12 @@ def save_random_qwen3_moe(folder: str, hidden: int, experts: int, top_k: int, wi
 
 def run_moe(ns) -> int:
     results = {"hidden": ns.hidden, "experts": ns.experts, "top_k": ns.top_k, "expert_width": ns.expert_width,
+               "layers": ns.layers,
                "threads": torch.get_num_threads(), "ms": {}}
-    print(f"MoE layer: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, top-{ns.top_k}, "
+    print(f"{ns.layers} MoE layers: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, top-{ns.top_k}, "
           f"{torch.get_num_threads()} threads (median of {ns.repeats})")
     for batch in (int(b) for b in ns.batch_sizes.split(",")):
-        ms = time_layer(ns.hidden, ns.experts, ns.top_k, ns.expert_width, batch, ns.repeats)
+        ms = time_layers(ns.hidden, ns.experts, ns.top_k, ns.expert_width, ns.layers, batch, ns.repeats)
         results["ms"][batch] = ms
         print(f"  {batch:>4} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
     if ns.save_model:
