@@ -299,3 +299,16 @@ def test_the_moe_benchmark_checks_its_four_variants_agree_before_timing():
     from tokenloom.bench.moe_layer import time_layers
     ms = time_layers(hidden=16, experts=4, top_k=2, width=8, layers=2, batch=5, repeats=1)
     assert set(ms) == {"grouped", "per_expert_masks", "per_token_loop", "dense_same_active"}
+
+
+def test_a_moe_gguf_reloads_from_the_weight_cache_with_the_same_logits(gguf_files, tmp_path, monkeypatch):
+    """The cache stores the stacked expert tensors under their HF names and the MoE fields of the config."""
+    from tokenloom.model.loader import open_model_source
+    from tokenloom.model.loader.weight_cache import CachedWeights
+    monkeypatch.setenv("TOKENLOOM_WEIGHT_CACHE", "1")
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path))
+    path = gguf_files("qwen2_moe")
+    first = helpers.last_logits(_load(path), PROMPTS)
+    source = open_model_source(path, torch.float32)
+    assert isinstance(source, CachedWeights) and source.arch_config.shared_expert_intermediate_size == 48
+    assert torch.equal(helpers.last_logits(_load(path), PROMPTS), first)
