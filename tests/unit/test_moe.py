@@ -295,10 +295,10 @@ def test_reduced_precision_matmuls_cast_the_experts_and_stay_close(tiny_models):
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()  # measured 0.11 of 6.1
 
 
-def test_the_moe_benchmark_checks_its_four_variants_agree_before_timing():
+def test_the_moe_benchmark_checks_its_variants_agree_before_timing():
     from tokenloom.bench.moe_layer import time_layers
     ms = time_layers(hidden=16, experts=4, top_k=2, width=8, layers=2, batch=5, repeats=1)
-    assert set(ms) == {"grouped", "per_expert_masks", "per_token_loop", "dense_same_active"}
+    assert set(ms) == {"grouped", "grouped_prepacked", "per_expert_masks", "per_token_loop", "dense_same_active"}
 
 
 def test_a_moe_gguf_reloads_from_the_weight_cache_with_the_same_logits(gguf_files, tmp_path, monkeypatch):
@@ -312,3 +312,13 @@ def test_a_moe_gguf_reloads_from_the_weight_cache_with_the_same_logits(gguf_file
     source = open_model_source(path, torch.float32)
     assert isinstance(source, CachedWeights) and source.arch_config.shared_expert_intermediate_size == 48
     assert torch.equal(helpers.last_logits(_load(path), PROMPTS), first)
+
+
+def test_the_cpu_engine_runs_the_experts_prepacked_for_onednn(make_core):
+    """Packing drops the stacked weights (no doubled memory); the greedy tests above run this path."""
+    from tokenloom.model.prepack import can_prepack
+    if not can_prepack(torch.device("cpu")):
+        pytest.skip("this torch build cannot prepack for oneDNN")
+    experts = make_core("qwen3_moe").executor.worker.setup.loaded.model.model.layers[0].mlp.experts
+    assert experts.packed is not None and all(w.is_mkldnn for w in experts.packed[0] + experts.packed[1])
+    assert len(experts.packed[0]) == 8 and experts.w13.numel() == 0

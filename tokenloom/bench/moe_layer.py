@@ -1,9 +1,10 @@
-"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed four ways at decode batch sizes, and (with
+"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed five ways at decode batch sizes, and (with
 `--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
 `-tp 2 --enable-expert-parallel` run gives the expert-parallel figure.
 
-The four ways, on the same weights and routing:
-- grouped: tokenloom's FusedMoE path (pairs sorted by expert, one GEMM pair per active expert);
+The five ways, on the same weights and routing:
+- grouped: tokenloom's FusedMoE path (pairs sorted by expert, one GEMM pair per active expert), with
+  stacked weights and with each expert prepacked for oneDNN (what the CPU engine runs);
 - per-expert masks: transformers' reference loop (a one-hot mask per expert, then the same GEMMs);
 - per-token loop: every (token, expert) pair on its own (what grouping avoids);
 - dense: a SwiGLU MLP with the same active parameters per token (top_k x expert width), the floor.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenloom.model.layers.fused_moe import grouped_experts
 from tokenloom.model.layers.moe import select_experts
+from tokenloom.model.prepack import pack_weight
 
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
@@ -99,11 +101,18 @@ def time_layers(hidden: int, experts: int, top_k: int, width: int, layers: int, 
             outs.append(F.linear(F.silu(gate) * up, w2))
         return outs
 
+    packed = [([pack_weight(w) for w in w13], [pack_weight(w) for w in w2], router) for w13, w2, router in moe]
+
+    def routed_packed():
+        return [grouped_experts(x, w13, w2, *select_experts(F.linear(x, router), top_k, renormalize=True))
+                for w13, w2, router in packed]
+
     grouped = routed(grouped_experts)()
-    for reference in (routed(_per_expert_masks)(), routed(_per_token)()):
+    for reference in (routed_packed(), routed(_per_expert_masks)(), routed(_per_token)()):
         for a, b in zip(grouped, reference):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    return _interleaved_medians({"grouped": routed(grouped_experts), "per_expert_masks": routed(_per_expert_masks),
+    return _interleaved_medians({"grouped": routed(grouped_experts), "grouped_prepacked": routed_packed,
+                                 "per_expert_masks": routed(_per_expert_masks),
                                  "per_token_loop": routed(_per_token), "dense_same_active": dense}, repeats)
 
 

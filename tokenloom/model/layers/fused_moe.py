@@ -19,6 +19,7 @@ is no loop over tokens, and experts no token chose cost nothing.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,32 +43,47 @@ class UnquantizedMoEMethod:
         layer.w2 = nn.Parameter(layer.w2.data.to(dtype), requires_grad=False)
 
     def pack(self, layer: "FusedMoE") -> bool:
-        return False
+        """Each expert's two weights in oneDNN's layout (measured here 1.2-1.7x per expert GEMM at 1-16 rows);
+        the stacked originals are dropped, so the experts' memory does not double."""
+        from tokenloom.model.prepack import pack_weight
+        if layer.packed is not None:
+            return False
+        w13 = [pack_weight(w) for w in layer.w13.data]
+        w2 = [pack_weight(w) for w in layer.w2.data]
+        if not all(w.is_mkldnn for w in w13 + w2):
+            return False
+        layer.packed = (w13, w2)
+        layer.w13 = nn.Parameter(layer.w13.data.new_empty(0), requires_grad=False)
+        layer.w2 = nn.Parameter(layer.w2.data.new_empty(0), requires_grad=False)
+        return True
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
+        w13, w2 = layer.packed or (layer.w13, layer.w2)
+        return grouped_experts(x, w13, w2, topk_weights, topk_ids, layer.expert_map)
 
 
 UNQUANTIZED_MOE = UnquantizedMoEMethod()
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t, over the experts held here.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights (float32) and topk_ids [T, k]; expert_map
-    [global experts] -> local index or -1 (experts another rank holds, skipped). Returns [T, H] in x's dtype.
+    x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] (stacked, or a list of E prepacked weights each); topk_weights
+    (float32) and topk_ids [T, k]; expert_map [global experts] -> local index or -1 (experts another rank
+    holds, skipped). Returns [T, H] in x's dtype.
     """
     top_k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) if expert_map is None else expert_map[topk_ids.reshape(-1)]
-    counts = torch.bincount(local[local >= 0], minlength=w13.shape[0]).tolist()  # pairs per local expert
+    counts = torch.bincount(local[local >= 0], minlength=len(w13)).tolist()  # pairs per local expert
     order = torch.argsort(local, stable=True)  # pairs grouped by expert; those held elsewhere (-1) first
     order = order[len(order) - sum(counts):]
     tokens = order // top_k
     rows = x[tokens]
     out = torch.empty_like(rows)
-    intermediate = w2.shape[-1]
+    intermediate = w2[0].shape[-1]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -102,6 +118,7 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate_size), requires_grad=False)
         self.method = method
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # set by method.pack
         self._expert_map: torch.Tensor | None = None  # built on the device of the first forward
 
     @property
