@@ -1,4 +1,4 @@
-"""Expert parallelism on a tiny random Qwen3-MoE (8 experts, top-2): EP=2 against one process.
+"""Expert parallelism on tiny random Qwen3-MoE and Qwen2-MoE models (8 experts, top-2): EP=2 against one process.
 
 Every rank is a real worker process on gloo. With --enable-expert-parallel each rank holds 4 whole experts
 (linear or round-robin placement) and the partial outputs are all-reduced; without it each rank holds a
@@ -24,9 +24,11 @@ pytestmark = pytest.mark.tp
 
 PROMPTS = helpers.random_prompts(4, [5, 9, 23, 3], 512, seed=1)
 LOGPROB_TOLERANCE = 1e-4  # float32, two partial sums instead of one
-LAYOUTS = {"ep_linear": dict(enable_expert_parallel=True),
-           "ep_round_robin": dict(enable_expert_parallel=True, expert_placement_strategy="round_robin"),
-           "tp_sliced_experts": dict()}
+# layout -> (tiny model, TP=2 engine arguments); each is compared with the one-process engine on its model.
+LAYOUTS = {"ep_linear": ("qwen3_moe", dict(enable_expert_parallel=True)),
+           "ep_round_robin": ("qwen3_moe", dict(enable_expert_parallel=True, expert_placement_strategy="round_robin")),
+           "tp_sliced_experts": ("qwen3_moe", dict()),
+           "shared_expert_ep": ("qwen2_moe", dict(enable_expert_parallel=True))}
 
 
 def _core(folder: str, **kwargs) -> EngineCore:
@@ -36,14 +38,15 @@ def _core(folder: str, **kwargs) -> EngineCore:
 
 @pytest.fixture(scope="module")
 def cores(tiny_models):
-    """cores(layout): a TP=2 engine per layout of LAYOUTS, or the one-process engine for None."""
+    """cores(layout): the TP=2 engine of a layout of LAYOUTS; cores(kind): the one-process engine on that model."""
     built = {}
 
-    def get(layout: str | None) -> EngineCore:
-        if layout not in built:
-            extra = {} if layout is None else dict(tensor_parallel_size=2, **LAYOUTS[layout])
-            built[layout] = _core(tiny_models("qwen3_moe")[0], **extra)
-        return built[layout]
+    def get(key: str) -> EngineCore:
+        if key not in built:
+            kind, extra = LAYOUTS[key] if key in LAYOUTS else (key, None)
+            extra = {} if extra is None else dict(tensor_parallel_size=2, **extra)
+            built[key] = _core(tiny_models(kind)[0], **extra)
+        return built[key]
 
     yield get
     for core in built.values():
@@ -60,18 +63,19 @@ def _prompt_logprobs(core: EngineCore, prompt: list[int]) -> list[float]:
 
 
 # Each TP=2 engine starts two worker processes (10-30 s here): the default suite runs one layout, make soak all.
-@pytest.mark.parametrize("layout", ["ep_round_robin", pytest.param("ep_linear", marks=pytest.mark.slow),
-                                    pytest.param("tp_sliced_experts", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["ep_round_robin", *(pytest.param(layout, marks=pytest.mark.slow) for layout in
+                                                       ("ep_linear", "tp_sliced_experts", "shared_expert_ep"))])
 def test_two_ranks_generate_the_greedy_tokens_of_one(cores, layout):
     params = greedy_params(12)
-    assert helpers.generate_tokens(cores(layout), PROMPTS, params) == helpers.generate_tokens(cores(None), PROMPTS,
+    one_process = cores(LAYOUTS[layout][0])
+    assert helpers.generate_tokens(cores(layout), PROMPTS, params) == helpers.generate_tokens(one_process, PROMPTS,
                                                                                             params)
 
 
 @pytest.mark.parametrize("layout", ["ep_round_robin", pytest.param("ep_linear", marks=pytest.mark.slow)])
 def test_expert_parallel_prompt_logprobs_match_one_process_within_float_tolerance(cores, layout):
     for prompt in PROMPTS[:3]:
-        one, two = _prompt_logprobs(cores(None), prompt), _prompt_logprobs(cores(layout), prompt)
+        one, two = _prompt_logprobs(cores(LAYOUTS[layout][0]), prompt), _prompt_logprobs(cores(layout), prompt)
         assert len(one) == len(two) == len(prompt) - 1
         assert max(abs(a - b) for a, b in zip(one, two)) < LOGPROB_TOLERANCE
 
