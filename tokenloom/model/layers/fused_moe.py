@@ -97,7 +97,8 @@ def grouped_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[t
 
 
 class FusedMoE(nn.Module):
-    """This rank's experts of one layer; forward(x, topk_weights, topk_ids) gives the group-reduced output."""
+    """This rank's experts of one layer; forward(x, topk_weights, topk_ids) gives their output, reduced over the
+    group."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  method: UnquantizedMoEMethod = UNQUANTIZED_MOE):
@@ -164,10 +165,12 @@ class FusedMoE(nn.Module):
             rows = self.w13.data[index].narrow(0, 0 if proj == "gate_proj" else size, size)
             _copy(rows, tensor.narrow(0, start, size), f"expert {expert} {proj}")
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                reduce_results: bool = True) -> torch.Tensor:
+        """This rank's partial sum, all-reduced over the group unless the caller adds more to it first."""
         with PROFILER.section("matmul"):
             out = self.method.apply(self, x, topk_weights, topk_ids)
-        if self.tp.size > 1:
+        if reduce_results and self.tp.size > 1:
             with PROFILER.section("all_reduce"):
                 all_reduce(out)
         return out
