@@ -89,12 +89,35 @@ def gemma_file() -> str:
     return resolve_model_path("gemma3-270m")
 
 
+def test_a_chat_request_to_a_model_without_a_chat_template_is_a_400(gemma_file):
+    """The 270M base model's GGUF carries no chat template: the chat handler refuses in OpenAI's error shape
+    before anything reaches the engine (which it reads the tokenizer from)."""
+    from types import SimpleNamespace
+
+    from tokenloom.entrypoints.openai.errors import BadRequestError
+    from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
+    from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
+    tokenizer = Tokenizer.from_gguf(gemma_file)
+    assert tokenizer.chat_template is None
+    chat = OpenAIServingChat(SimpleNamespace(tokenizer=tokenizer), ["gemma3-270m"])
+    request = ChatCompletionRequest(model="gemma3-270m", messages=[{"role": "user", "content": "Hello"}])
+    with pytest.raises(BadRequestError) as caught:
+        chat.render_prompt(request)
+    body = caught.value.to_dict()["error"]
+    assert caught.value.status_code == 400 and body["code"] == "no_chat_template"
+    assert "/v1/completions" in body["message"]
+
+
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_file):
     return helpers.load_hf_from_gguf(gemma_file)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_gguf_architecture_matches_the_one_transformers_reads(gemma_file, hf_gemma):
+    """Slow (with the next test): transformers' own load of the file dequantizes every tensor, a 262,144-row
+    embedding among them, and takes minutes on 2 busy cores."""
     ours = open_model_source(gemma_file, torch.float32).arch_config
     theirs = hf_gemma.config
     assert isinstance(ours, ArchConfig) and ours.architecture == "Gemma3ForCausalLM"
@@ -106,13 +129,16 @@ def test_the_gguf_architecture_matches_the_one_transformers_reads(gemma_file, hf
     assert (ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (18, 4, 1, 256)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_gemma3_270m_greedy_is_token_identical_to_transformers_past_the_512_token_window(gemma_file, hf_gemma):
-    """A counting prompt of over 600 tokens (so local layers see only its end) and a short prose one."""
+    """A counting prompt of over 600 tokens (so local layers see only its end) and a short prose one,
+    prefilled in 256-token chunks."""
     tokenizer = Tokenizer.from_gguf(gemma_file)
     texts = [", ".join(str(i) for i in range(1, 260)) + ",", "The capital of France is"]
     prompts = [tokenizer.encode(t) for t in texts]
     assert len(prompts[0]) > 600 and prompts[0][0] == 2  # <bos> first, as transformers' tokenizer adds
-    core = _core("gemma3-270m", num_blocks=160, max_num_batched_tokens=256)  # chunked: 256-token steps
+    core = _core("gemma3-270m", num_blocks=160, max_num_batched_tokens=256)
     got = helpers.generate_tokens(core, prompts, helpers.greedy_params(12))
     for prompt, tokens in zip(prompts, got):
         want = helpers.hf_greedy(hf_gemma, prompt, 12)
