@@ -8,6 +8,7 @@ output token-identical.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -81,6 +82,77 @@ def test_tiny_gemma3_greedy_past_the_window_is_token_identical_with_chunked_pref
 def test_a_model_with_global_layers_keeps_every_block(tiny_gemma):
     """The global layer reads the whole context, so nothing is freed behind the window."""
     assert _core(tiny_gemma[0], num_blocks=32, block_size=4).kv_manager.sliding_window is None
+
+
+# ---- a tiny Gemma 3 GGUF, written here as llama.cpp's converter writes one --------------------------------
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER[rest.removesuffix('.weight')]}.weight"
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_gguf(tmp_path_factory):
+    """(path, transformers model): 6 layers, so Gemma 3's defaults (the file cannot name them) make the 6th
+    global; heads of 256 like the released models', where the query scale both transformers and llama.cpp
+    assume (256 and head_dim) agree; F32 tensors, norms stored with the 1 added as llama.cpp's converter
+    stores them."""
+    import gguf
+    config = transformers.Gemma3TextConfig(
+        **{**helpers.TINY_COMMON, "num_hidden_layers": 6, "num_key_value_heads": 2, "head_dim": 256},
+        sliding_window=WINDOW, query_pre_attn_scalar=256,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = str(tmp_path_factory.mktemp("tiny_gemma3_gguf") / "tiny-gemma3.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(6)
+    writer.add_context_length(helpers.TINY_COMMON["max_position_embeddings"])
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(256)
+    writer.add_value_length(256)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(WINDOW)
+    writer.add_vocab_size(512)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            if name != "lm_head.weight":
+                data = (p + 1) if "norm" in name else p
+                writer.add_tensor(_gguf_name(name), data.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, hf
+
+
+def test_a_gemma3_gguf_loads_to_the_model_it_was_written_from_as_transformers_reads_it(tiny_gemma_gguf, prompts):
+    """Names (Gemma's ffn_norm is the pre-MLP norm), the norms' +1, and the defaults for what the file does not
+    say (layer kinds, local rotary base, query scale) against the source model and transformers' GGUF load."""
+    path, source = tiny_gemma_gguf
+    model = load_model(path, torch.float32, torch.device("cpu"), progress=False).model
+    assert [model.config.layer_window(i) for i in range(6)] == [WINDOW] * 5 + [None]
+    got = helpers.last_logits(model, prompts, block_size=4, split_at=11)
+    assert (got - helpers.hf_last_logits(source, prompts)).abs().max().item() < LOGIT_TOL
+    theirs = helpers.load_hf_from_gguf(path)
+    assert (got - helpers.hf_last_logits(theirs, prompts)).abs().max().item() < LOGIT_TOL
 
 
 # ---- the real Gemma 3 270M file -------------------------------------------------------------------------

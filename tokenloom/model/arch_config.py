@@ -232,14 +232,16 @@ def _hf_gemma3(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _gguf_gemma3(arch: str, get) -> dict[str, Any]:
     """Gemma 3's fields of GGUF metadata. The file names the global rotary base and the window only; the
-    rest are llama.cpp's (and transformers') Gemma 3 defaults: every 6th layer global, local base 10000,
-    queries scaled by head_dim**-0.5, no soft-capping, GeLU(tanh)."""
+    rest are Gemma 3's defaults as llama.cpp applies them: every 6th layer global, local base 10000, no
+    soft-capping, GeLU(tanh), queries scaled by head_dim**-0.5, except the 62-layer 27B, whose config scales
+    by (hidden / heads)**-0.5 (transformers assumes 256 for every file: the same but for the 27B)."""
     if arch != "gemma3":
         return {}
     layers = get("block_count")
     pattern = get("attention.sliding_window_pattern") or 6
+    scalar = get("embedding_length") / get("attention.head_count") if layers == 62 else get("attention.key_length")
     return dict(layer_types=[_gemma3_kind(i, pattern) for i in range(layers)], rope_local_theta=10000.0,
-                query_pre_attn_scalar=float(get("attention.key_length") or 256),
+                query_pre_attn_scalar=float(scalar or 256),
                 final_logit_softcapping=get("final_logit_softcapping"), hidden_activation="gelu_pytorch_tanh")
 
 

@@ -65,7 +65,8 @@ class KVCacheManager:
         request.resend_blocks = True  # the workers' table changes in place
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Give the request room for num_new_tokens more; False (nothing changed) if the pool is short."""
+        """Give the request room for num_new_tokens more; False (nothing allocated) if the pool is short.
+        Blocks behind its window are freed first either way: the step never reads them."""
         self.release_behind_window(request)
         needed_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         needed_blocks = -(-needed_tokens // self.block_size) - len(request.block_ids) - len(cached_blocks)

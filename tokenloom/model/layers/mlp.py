@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.model.arch_config import UnsupportedModelError
 from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -18,6 +19,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported MLP activation {activation!r} (supported: "
+                                        f"{', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[activation]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, {"gate": intermediate_size,
                                                                      "up": intermediate_size})

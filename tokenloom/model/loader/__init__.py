@@ -49,7 +49,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     with torch.device("meta"):
         net = cls(arch)
     net = net.to_empty(device=device).to(dtype)
-    _reset_buffers(net, arch, device)
+    _reset_buffers(net, device)
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
     fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
     loaded_tensors = {}
@@ -80,7 +80,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
 
 
-def _reset_buffers(net: torch.nn.Module, arch: ArchConfig, device: torch.device) -> None:
+def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
     """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
     from tokenloom.model.layers.rotary import RotaryEmbedding
     rebuilt: dict[tuple, RotaryEmbedding] = {}  # one table per distinct rotary (Gemma 3: local and global)
