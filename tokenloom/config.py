@@ -130,6 +130,10 @@ class ParallelConfig:
                                                                  int))
     master_addr: str = field(default_factory=lambda: _torchrun_env("MASTER_ADDR", "127.0.0.1"))
     master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))  # None: a free port
+    # Mixture of experts: share whole experts over the tensor-parallel ranks instead of slicing each one
+    # (tokenloom.distributed.expert_parallel); placement linear | round_robin (None: linear).
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1,
@@ -146,6 +150,10 @@ class ParallelConfig:
                f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over {self.nnodes} nodes")
         _check(self.master_port is None or 0 < self.master_port < 65536,
                f"master_port must be in 1..65535 (got {self.master_port})")
+        _check(self.expert_placement_strategy in (None, "linear", "round_robin"),
+               f"expert_placement_strategy must be linear or round_robin (got {self.expert_placement_strategy!r})")
+        _check(self.expert_placement_strategy is None or self.enable_expert_parallel,
+               "expert_placement_strategy applies only with enable_expert_parallel (--enable-expert-parallel)")
 
     @property
     def world_size(self) -> int:
@@ -364,6 +372,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("speculative_config", str, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}, or '
         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}')
+    g.add_argument("--enable-expert-parallel", dest="enable_expert_parallel", action="store_true",
+                   default=env_default("enable_expert_parallel", None, bool),
+                   help="mixture-of-experts models: share whole experts over the tensor-parallel ranks "
+                        "(default: slice every expert)")
+    opt("expert_placement_strategy", str, "with --enable-expert-parallel: linear (rank r holds a contiguous "
+        "range of experts; default) | round_robin (expert e on rank e %% size)")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

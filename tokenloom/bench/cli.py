@@ -1,4 +1,4 @@
-"""`tokenloom bench throughput|serve|decode|collectives` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|moe|collectives` argument wiring."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     from tokenloom.bench.decode_step import add_decode_args
     add_decode_args(sub.add_parser("decode", help="time of one decode step at given batch sizes (any model, any "
                                                   "--tensor-parallel-size; no tokenizer needed)"))
+
+    from tokenloom.bench.moe_layer import add_moe_args
+    add_moe_args(sub.add_parser("moe", help="one mixture-of-experts layer: grouped experts against per-expert and "
+                                            "per-token loops and a dense MLP of the same active size"))
 
     from tokenloom.bench.collectives import add_collectives_args
     add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "

@@ -32,7 +32,7 @@ class EngineCore:
             raise
         self.max_model_len = self.info.max_model_len
         self.kv_manager = KVCacheManager(self.info.num_blocks, self.info.block_size,
-                                         config.cache.enable_prefix_caching)
+                                         config.cache.enable_prefix_caching, self.info.kv_release_window)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    speculative=config.speculative_config)
         self._finished: list[EngineCoreOutput] = []

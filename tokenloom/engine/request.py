@@ -46,6 +46,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set on first schedule
         self.block_ids: list[int] = []
+        self.num_released_blocks = 0  # block_ids[:n] were freed behind a sliding window (NULL_BLOCK)
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.sent_to_workers = False

@@ -47,6 +47,11 @@ class WorkerSetup:
     def full_length_requests(self) -> int:
         return self.num_blocks * self.block_size // self.max_model_len
 
+    @property
+    def kv_release_window(self) -> int | None:
+        """The sliding window, when every layer attends within it: the scheduler frees blocks behind it."""
+        return self.arch.sliding_window if self.arch.all_layers_windowed else None
+
     def summary(self) -> str:
         kv_dtype = _name(self.runner.kv_caches[0].dtype)
         return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens; "
@@ -153,14 +158,11 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     trained = sentence_max_length(loaded.path) if pooling is not None else None
     if trained and trained < max_len and not config.model.max_model_len:
         max_len = trained
-    window = arch.sliding_window
-    if window and window < max_len:
-        logger.warning("max_model_len clamped from %d to %d: the model attends over a sliding window of %d "
-                       "tokens, which tokenloom does not implement yet; within the window its attention is exact",
-                       max_len, window, window)
-        max_len = window
     capacity = num_blocks * block_size
-    if max_len > capacity:
+    # A windowed model frees blocks behind the window: a request holds its window and one step's tokens.
+    window = arch.sliding_window if arch.all_layers_windowed else None
+    window_fits = window is not None and window + config.scheduler.max_num_batched_tokens + 2 * block_size <= capacity
+    if max_len > capacity and not window_fits:
         logger.warning("max_model_len clamped from %d to %d: the KV cache holds only %d tokens "
                        "(raise --kv-cache-memory or --num-blocks)", max_len, capacity, capacity)
         max_len = capacity

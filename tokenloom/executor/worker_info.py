@@ -22,6 +22,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     summary: str  # one line for the log: the KV cache and how many full-length requests fit
     warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step (admission's first speed guess)
     pooling: PoolingConfig | None = None  # set: an embedding engine (pooled hidden states, no generation)
+    # The sliding window every layer attends within (blocks behind it are freed); None: some layer reads all.
+    kv_release_window: int | None = None
 
     @property
     def full_length_requests(self) -> int:

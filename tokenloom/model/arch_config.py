@@ -1,7 +1,7 @@
 """The architecture hyper-parameters every model file needs, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -15,7 +15,13 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    # Mixture of experts (a "llama" file with experts is Mixtral: see from_gguf).
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Families whose router renormalizes its top-k weights when the file does not say (llama.cpp's defaults).
+_GGUF_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 @dataclass
@@ -37,13 +43,48 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Tokens each position attends back over, when the model limits it (Mistral's sliding_window); None: all.
+    # Tokens each position attends back over, itself included (HF's sliding_window); None: all. Which layers
+    # do: layer_types ("sliding_attention" | "full_attention" per layer), or every layer when it is None.
     sliding_window: int | None = None
     # Encoders (BERT): LayerNorm epsilon and the token-type vocabulary.
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 2
+    layer_types: list[str] | None = None
+    # Gemma 3: the windowed layers' rotary base, the query scale's denominator (scores * scalar**-0.5),
+    # tanh soft-capping of the final logits, the gated MLP's activation.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
+    # Mixture of experts (0 experts: a dense model). Layers listed in mlp_only_layers, or not a multiple of
+    # decoder_sparse_step, keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
-    def check_tensor_parallel(self, size: int) -> None:
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within; None: the whole context (a window as long as
+        the context is none)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return None
+        return self.sliding_window
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer attends within the window, so KV blocks behind it can be freed."""
+        return all(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
         from tokenloom.config import ConfigError
         problems = []
@@ -53,8 +94,22 @@ class ArchConfig:
             problems.append(f"its {self.num_kv_heads} KV heads (nor is it a multiple of them)")
         if self.intermediate_size % size:
             problems.append(f"its MLP width {self.intermediate_size}")
+        if self.num_experts and not expert_parallel and self.moe_intermediate_size % size:
+            problems.append(f"its expert width {self.moe_intermediate_size} (--enable-expert-parallel shards "
+                            f"whole experts instead)")
         if problems:
             raise ConfigError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
+        if expert_parallel:
+            self.check_expert_parallel(size)
+
+    def check_expert_parallel(self, size: int) -> None:
+        from tokenloom.config import ConfigError
+        if not self.num_experts:
+            raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model ({self.architecture} "
+                              f"has no experts)")
+        if self.num_experts % size:
+            raise ConfigError(f"expert parallel over {size} ranks does not divide the model's {self.num_experts} "
+                              f"experts")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ArchConfig":
@@ -64,7 +119,7 @@ class ArchConfig:
         arch = archs[0]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        return cls(
+        return replace(cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -78,14 +133,16 @@ class ArchConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             sliding_window=_sliding_window(cfg),
             layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
             type_vocab_size=cfg.get("type_vocab_size", 2),
-        )
+            layer_types=cfg.get("layer_types"),
+            **_hf_moe(cfg, arch),
+        ), **_hf_gemma3(cfg, arch))
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ArchConfig":
@@ -106,10 +163,10 @@ class ArchConfig:
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
+            architecture="MixtralForCausalLM" if arch == "llama" and get("expert_count") else GGUF_ARCHITECTURES[arch],
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"),
+            intermediate_size=get("feed_forward_length") or get("expert_feed_forward_length"),
             num_layers=get("block_count"),
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv") or heads,
@@ -124,7 +181,77 @@ class ArchConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
             sliding_window=get("attention.sliding_window"),
+            **_gguf_gemma3(arch, get),
+            **_gguf_moe(arch, get, tensor_names),
         )
+
+
+def _hf_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (Mixtral: num_local_experts, experts as wide as the MLP)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+
+
+def _gguf_moe(arch: str, get, tensor_names: set[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of GGUF metadata (llama.cpp keys `<arch>.expert_*`); a layer without a
+    router tensor keeps a dense MLP."""
+    experts = get("expert_count") or 0
+    if not experts:
+        return {}
+    dense = [i for i in range(get("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    return dict(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+                norm_topk_prob=bool(get("expert_weights_norm", _GGUF_MOE_RENORMALIZES.get(arch, True))),
+                shared_expert_intermediate_size=get("expert_shared_feed_forward_length") or 0,
+                mlp_only_layers=dense)
+
+
+def _hf_gemma3(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 3's fields of a HF config: per-layer attention kinds and rotary bases (transformers 5 nests the
+    bases in rope_parameters by layer kind; 4.x names them rope_theta and rope_local_base_freq)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    layers = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    kinds = cfg.get("layer_types") or [_gemma3_kind(i, pattern) for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    return dict(layer_types=list(kinds), qk_norm=True, tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                head_dim=cfg.get("head_dim", 256), rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
+                rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+                rope_scaling=_rope_scaling({"rope_scaling": scaling}) if scaling else None,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+
+
+def _gguf_gemma3(arch: str, get) -> dict[str, Any]:
+    """Gemma 3's fields of GGUF metadata. The file names the global rotary base and the window only; the
+    rest are Gemma 3's defaults as llama.cpp applies them: every 6th layer global, local base 10000, no
+    soft-capping, GeLU(tanh), queries scaled by head_dim**-0.5, except the 62-layer 27B, whose config scales
+    by (hidden / heads)**-0.5 (transformers assumes 256 for every file: the same but for the 27B)."""
+    if arch != "gemma3":
+        return {}
+    layers = get("block_count")
+    pattern = get("attention.sliding_window_pattern") or 6
+    scalar = get("embedding_length") / get("attention.head_count") if layers == 62 else get("attention.key_length")
+    return dict(layer_types=[_gemma3_kind(i, pattern) for i in range(layers)], rope_local_theta=10000.0,
+                query_pre_attn_scalar=float(scalar or 256),
+                final_logit_softcapping=get("final_logit_softcapping"), hidden_activation="gelu_pytorch_tanh")
+
+
+def _gemma3_kind(layer: int, pattern: int) -> str:
+    return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from tokenloom.model.layers.fused_moe import FusedMoE
 from tokenloom.model.layers.linear import Linear
 
 
 def cast_matmul_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Store every Linear weight (and a tied output head) in ``dtype``; returns the bytes the weights now take."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, FusedMoE)):
             module.method.cast(module, dtype)
     if has_tied_head(model):  # the lookup keeps full precision
         model.tied_head_weight = model.model.embed_tokens.weight.data.to(dtype)

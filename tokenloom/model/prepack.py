@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from tokenloom.model.layers.fused_moe import FusedMoE
 from tokenloom.model.layers.linear import Linear
 from tokenloom.model.matmul_dtype import has_tied_head
 
@@ -37,7 +38,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """Pack every Linear weight and the output head in place; returns how many were packed."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, FusedMoE)):
             packed += module.method.pack(module)
     if has_tied_head(model) and not model.head_weight().is_mkldnn:
         model.tied_head_weight = pack_weight(model.head_weight())

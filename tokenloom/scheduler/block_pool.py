@@ -24,6 +24,12 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
     return h.digest()
 
 
+# Stands in a block table for a block freed behind a sliding window (vLLM's null block): attention never
+# reads a position there, so any block id would do, but a real one could be registered in the prefix cache
+# under a hash it no longer holds. Reserved (never handed out) when a pool is built with reserve_null.
+NULL_BLOCK = 0
+
+
 class BlockPool:
     """Hands out blocks. Freed blocks keep their cached content until they are reused.
 
@@ -31,9 +37,13 @@ class BlockPool:
     and a request frees its tail blocks before its head ones.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False):
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.num_reserved = 0
+        if reserve_null:
+            del self.free[NULL_BLOCK]
+            self.num_reserved = 1
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
 
@@ -47,10 +57,10 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return len(self.blocks) - len(self.free)
+        return len(self.blocks) - len(self.free) - self.num_reserved
 
     def usage(self) -> float:
-        return self.num_used / len(self.blocks)
+        return self.num_used / (len(self.blocks) - self.num_reserved)
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free):

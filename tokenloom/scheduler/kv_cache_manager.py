@@ -1,14 +1,26 @@
-"""Per-request block bookkeeping on top of the BlockPool: prefix hits, growth, forks, freeing."""
+"""Per-request block bookkeeping on top of the BlockPool: prefix hits, growth, forks, freeing, and the
+release of blocks behind a sliding window.
+
+Windowed release: when every layer attends within the last W positions (`sliding_window`; Mistral), a
+block whose positions all lie before the next query's window is never read again; it goes back to the
+pool (keeping its prefix-cache hash, so a later prompt with the same prefix can still hit it) and the
+request's table holds NULL_BLOCK in its place. A model with any full-attention layer (Gemma 3's global
+ones) reads every block, so nothing is released: vLLM's hybrid manager keeps a table per layer group to
+free the windowed layers' share; here the KV cache is one tensor per layer with one table for all, and
+release is all-or-nothing per block.
+"""
 from __future__ import annotations
 
 from tokenloom.engine.request import Request
-from tokenloom.scheduler.block_pool import BlockPool, hash_block
+from tokenloom.scheduler.block_pool import NULL_BLOCK, BlockPool, hash_block
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.sliding_window = sliding_window  # set only when every layer attends within it
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, reserve_null=sliding_window is not None)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -37,8 +49,25 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_hit_tokens
 
+    def release_behind_window(self, request: Request) -> None:
+        """Free the blocks the request's next query can no longer attend to (windowed models only). The
+        released blocks form a prefix of its table; `request.num_released_blocks` counts them."""
+        if self.sliding_window is None:
+            return
+        first_kept = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first_kept = min(first_kept, len(request.block_ids))
+        start = request.num_released_blocks
+        if first_kept <= start:
+            return
+        self.pool.release(request.block_ids[start:first_kept])
+        request.block_ids[start:first_kept] = [NULL_BLOCK] * (first_kept - start)
+        request.num_released_blocks = first_kept
+        request.resend_blocks = True  # the workers' table changes in place
+
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Give the request room for num_new_tokens more; False (nothing changed) if the pool is short."""
+        """Give the request room for num_new_tokens more; False (nothing allocated) if the pool is short.
+        Blocks behind its window are freed first either way: the step never reads them."""
+        self.release_behind_window(request)
         needed_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         needed_blocks = -(-needed_tokens // self.block_size) - len(request.block_ids) - len(cached_blocks)
         evictable_hits = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
@@ -57,17 +86,17 @@ class KVCacheManager:
             return
         full = request.num_computed_tokens // self.block_size
         self._extend_hashes(request, full * self.block_size)
-        for i in range(full):
+        for i in range(request.num_released_blocks, full):
             self.pool.register(request.block_ids[i], request.block_hashes[i])
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Share the parent's blocks with the child; copy the partial last block. Returns (src, dst) to copy."""
-        self.pool.touch(child.block_ids)
+        self.pool.touch(child.block_ids[child.num_released_blocks:])
         if parent.num_computed_tokens % self.block_size == 0:
             return None
         src = child.block_ids[-1]
         if self.pool.num_free < 1:
-            self.pool.release(child.block_ids)
+            self.pool.release(child.block_ids[child.num_released_blocks:])
             raise MemoryError("no free KV block to fork into")
         dst = self.pool.allocate(1)[0]
         self.pool.release([src])
@@ -76,8 +105,9 @@ class KVCacheManager:
         return src, dst
 
     def free(self, request: Request) -> None:
-        self.pool.release(request.block_ids)
+        self.pool.release(request.block_ids[request.num_released_blocks:])
         request.block_ids = []
+        request.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_cache()

@@ -34,6 +34,10 @@ class OpenAIServingChat(OpenAIServing):
         from tokenloom.tokenizer.chat_template import ChatTemplateError
 
         custom = request.chat_template
+        if custom is None and not self.tokenizer.chat_template:
+            raise BadRequestError("this model has no chat template (a base model): use /v1/completions, or start "
+                                  "the server with --chat-template FILE", param="messages",
+                                  code="no_chat_template")
         if custom is not None and custom != self.tokenizer.chat_template \
                 and not self.state.trust_request_chat_template:
             raise BadRequestError("a chat_template sent with the request is refused: the server does not trust "

@@ -6,7 +6,7 @@ blocks; each prefill chunk is one SDPA call (few per step). No per-token loops.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,46 @@ class AttentionMetadata:
     decode_workspace: torch.Tensor | None = None
     # Blocks each group of decodes attends over (its longest context); None: all of decode_block_tables.
     decode_group_blocks: list[int] | None = None
+    # Per sliding window: the decodes' tables, mask and group widths cut to the window (see decode_window).
+    decode_windows: dict[int, "DecodeView"] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeView:
+    """What decode attention reads: block tables [n, width], mask [n, 1, 1, width * block_size] (True or 0 =
+    attend) and each group's block count (None: the whole width)."""
+
+    tables: torch.Tensor
+    mask: torch.Tensor
+    group_blocks: list[int] | None
+
+
+def decode_window(meta: AttentionMetadata, window: int, block_size: int) -> DecodeView:
+    """The decodes' view for a layer that attends over the last `window` positions: each sequence's table
+    starts at the block holding its first position in the window, so a windowed layer reads about
+    window / block_size blocks per sequence whatever its context (and never a block the scheduler has
+    released behind the window). Built once per step and window, shared by the layers."""
+    view = meta.decode_windows.get(window)
+    if view is not None:
+        return view
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    starts = (lens - window).clamp(min=0) // block_size  # first block in each sequence's window
+    ends = (lens + block_size - 1) // block_size
+    spans = (ends - starts).tolist()
+    width = max(spans)
+    cols = (starts.unsqueeze(1) + torch.arange(width, device=lens.device)).clamp(max=tables.shape[1] - 1)
+    positions = starts.unsqueeze(1) * block_size + torch.arange(width * block_size, device=lens.device)
+    outside = (positions >= lens.unsqueeze(1)) | (positions < (lens - window).unsqueeze(1))
+    if meta.decode_mask.is_floating_point():
+        mask = torch.zeros(outside.shape, dtype=meta.decode_mask.dtype, device=outside.device)
+        mask.masked_fill_(outside, float("-inf"))
+    else:
+        mask = ~outside
+    group = decode_group_size(len(spans), lens.device)
+    view = DecodeView(tables.gather(1, cols), mask.view(len(spans), 1, 1, -1),
+                      [max(spans[i:i + group]) for i in range(0, len(spans), group)])
+    meta.decode_windows[window] = view
+    return view
 
 
 # Decode sequences attended per call on CPU; 16 keeps a group's gathered K/V (a few MB at a few hundred
@@ -55,14 +95,19 @@ def decode_group_size(num_decodes: int, device: torch.device) -> int:
 
 
 class TorchAttention:
-    """Reference backend in plain torch; runs on CPU and CUDA."""
+    """Reference backend in plain torch; runs on CPU and CUDA.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    `scale` multiplies the scores (default head_dim**-0.5); with `sliding_window` W, the query at position p
+    attends to positions p-W+1..p only (HF's convention), in prefill, chunked prefill and decode."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
 
     def __call__(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H*D]."""
@@ -95,12 +140,14 @@ class TorchAttention:
         b = q.shape[0]
         if out is None:
             out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        tables, mask = meta.decode_block_tables, meta.decode_mask
+        view = (DecodeView(meta.decode_block_tables, meta.decode_mask, meta.decode_group_blocks)
+                if self.sliding_window is None else decode_window(meta, self.sliding_window, k_cache.shape[1]))
+        tables, mask = view.tables, view.mask
         group = decode_group_size(b, q.device)
         for i, start in enumerate(range(0, b, group)):
             end = min(start + group, b)
             n = end - start
-            width = tables.shape[1] if meta.decode_group_blocks is None else meta.decode_group_blocks[i]
+            width = tables.shape[1] if view.group_blocks is None else view.group_blocks[i]
             ws = meta.decode_workspace
             group_tables = tables[start:end, :width]
             keys = _gather_blocks(k_cache, group_tables, None if ws is None else ws[0, :n * width])
@@ -143,17 +190,28 @@ class TorchAttention:
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         n = chunk.end - chunk.start
         qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        window = self.sliding_window
+        offset = chunk.context_len - n  # position of the chunk's first query
         if chunk.context_len == n:
             keys, values = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+            first = 0
+        else:
+            # A windowed layer gathers from the block holding its first query's first key on.
+            block_size = k_cache.shape[1]
+            first_block = 0 if window is None else max(0, offset - window + 1) // block_size
+            first = first_block * block_size
+            blocks = chunk.block_table[first_block: (chunk.context_len + block_size - 1) // block_size]
+            length = chunk.context_len - first
+            keys = _gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[:length]
+            values = _gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[:length]
+        if chunk.context_len == n and (window is None or window >= n):
             mask, causal = None, True
         else:
-            block_size = k_cache.shape[1]
-            blocks = chunk.block_table[: (chunk.context_len + block_size - 1) // block_size]
-            keys = _gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
-            values = _gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
-            offset = chunk.context_len - n
             rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
+            cols = torch.arange(first, chunk.context_len, device=q.device).unsqueeze(0)
+            mask = cols <= rows
+            if window is not None:
+                mask &= cols > rows - window
             causal = False
         keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)

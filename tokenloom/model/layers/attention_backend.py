@@ -34,7 +34,12 @@ class AttentionBackend:
     def bind(self, kv_cache: torch.Tensor) -> None:
         """Called once the KV caches exist (layer 0's given), before the first build_metadata."""
 
-    def make_impl(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def make_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                  sliding_window: int | None = None):
+        """One layer's attention. `scale` multiplies q.k (None: head_dim**-0.5); `sliding_window` W (None:
+        the whole context) limits the query at position p to keys at positions p-W+1..p, as HF's
+        sliding_window does. The metadata is the same for every layer: a backend derives a windowed
+        layer's key range from it (the torch backend: attention.decode_window)."""
         raise NotImplementedError
 
     def build_metadata(self, spans: list[ScheduledSpan], slot_mapping: torch.Tensor):
@@ -58,8 +63,8 @@ class TorchAttentionBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return 2, num_blocks, block_size, num_kv_heads, head_dim
 
-    def make_impl(self, num_heads, num_kv_heads, head_dim):
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    def make_impl(self, num_heads, num_kv_heads, head_dim, scale=None, sliding_window=None):
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
 
     def build_metadata(self, spans: list[ScheduledSpan], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """`spans` must list decodes (one token) first, shortest context first, so each attention group pads
@@ -105,12 +110,13 @@ _BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend, "flashinfer": _f
 _SELECTED = "torch"
 
 
-def resolve_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype) -> str:
-    """`auto`: FlashInfer on CUDA when it imports and the KV cache is float16/bfloat16, else torch."""
+def resolve_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype, windowed: bool = False) -> str:
+    """`auto`: FlashInfer on CUDA when it imports, the KV cache is float16/bfloat16 and no layer attends
+    within a sliding window (not wired to FlashInfer yet), else torch."""
     if name != "auto":
         return name
     from tokenloom.model.layers.attention_flashinfer import supports
-    return "flashinfer" if supports(device, kv_dtype) else "torch"
+    return "flashinfer" if supports(device, kv_dtype) and not windowed else "torch"
 
 
 def select_attention_backend(name: str) -> None:

@@ -71,16 +71,17 @@ class FlashInferMetadata:
     backend: "FlashInferBackend"
     planned: bool = False
 
-    def plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.backend.plan(self, num_heads, num_kv_heads, head_dim)
+    def plan(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.backend.plan(self, num_heads, num_kv_heads, head_dim, scale)
         self.planned = True
 
 
 class FlashInferAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = scale
 
     def __call__(self, q, k, v, kv_cache: torch.Tensor, meta: FlashInferMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H*D]."""
@@ -91,7 +92,7 @@ class FlashInferAttention:
         q = q.to(k_cache.dtype)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if not meta.planned:
-            meta.plan(self.num_heads, self.num_kv_heads, self.head_dim)
+            meta.plan(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
         d = meta.num_decodes
         if meta.decode_layout is not None:
             meta.backend.decode.run(q[:d], (k_cache, v_cache), out=out[:d])
@@ -127,8 +128,11 @@ class FlashInferBackend:
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
 
-    def make_impl(self, num_heads, num_kv_heads, head_dim):
-        return FlashInferAttention(num_heads, num_kv_heads, head_dim)
+    def make_impl(self, num_heads, num_kv_heads, head_dim, scale=None, sliding_window=None):
+        if sliding_window is not None:
+            raise ConfigError("the flashinfer attention backend does not apply sliding windows yet "
+                              "(use --attention-backend torch)")
+        return FlashInferAttention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5 if scale is None else scale)
 
     def build_metadata(self, spans, slot_mapping: torch.Tensor) -> FlashInferMetadata:
         """`spans` list decodes (one token) first, as the runner orders them."""
@@ -138,9 +142,10 @@ class FlashInferBackend:
         return FlashInferMetadata(slot_mapping, num_decodes, paged_kv_layout(decodes, bs) if decodes else None,
                                   paged_kv_layout(chunks, bs) if chunks else None, self)
 
-    def plan(self, meta: FlashInferMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def plan(self, meta: FlashInferMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+             scale: float) -> None:
         bs, dtype, dev = self.kv_cache.shape[2], self.kv_cache.dtype, self.kv_cache.device
-        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim ** -0.5)
+        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         if meta.decode_layout is not None:
             d = meta.decode_layout
             self.decode.plan(d.kv_indptr, d.kv_indices.to(dev), d.last_page_len, num_heads, num_kv_heads,

@@ -33,6 +33,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
+        self.args = (head_dim, max_positions, theta, scaling)  # the loader rebuilds the tables from them
         inv_freq, attention_factor = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.loader.resolve import resolve_model_path
@@ -43,23 +44,24 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     path = resolve_model_path(model)
     source = open_model_source(path, dtype)
     arch = source.arch_config
-    arch.check_tensor_parallel(tp_group().size)
+    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch)
     net = net.to_empty(device=device).to(dtype)
-    _reset_buffers(net, arch, device)
+    _reset_buffers(net, device)
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
     fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = set()
+    covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     for name, tensor in source.tensors(dtype):
         net.load_weight(name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
-        seen.add(name)
+        seen.update(covered(name))
         bar.update(1)
     bar.close()
     if not seen:
@@ -78,11 +80,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
 
 
-def _reset_buffers(net: torch.nn.Module, arch: ArchConfig, device: torch.device) -> None:
+def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
     """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
     from tokenloom.model.layers.rotary import RotaryEmbedding
-    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+    rebuilt: dict[tuple, RotaryEmbedding] = {}  # one table per distinct rotary (Gemma 3: local and global)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
-            module.cos = rotary.cos.to(device)
-            module.sin = rotary.sin.to(device)
+            key = repr(module.args)
+            if key not in rebuilt:
+                rebuilt[key] = RotaryEmbedding(*module.args).to(device)
+            module.cos, module.sin = rebuilt[key].cos, rebuilt[key].sin

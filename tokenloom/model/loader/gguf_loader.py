@@ -19,17 +19,28 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts: the router, every expert stacked in one tensor, the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Gemma 3 normalizes before and after both attention and MLP: its ffn_norm is the pre-MLP one.
+_GEMMA3_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Architectures whose GGUF converter interleaves q/k rows for llama.cpp's rope; undone here.
 _PERMUTED_QK = {"llama", "mistral"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str | None = None) -> str:
     base, _, kind = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+    names = {**_LAYER_NAMES, **_GEMMA3_LAYER_NAMES} if arch == "gemma3" else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{kind}"
     raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name!r}")
@@ -79,7 +90,9 @@ class GGUFModelFile:
                 raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                tensor = tensor - 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
             if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
                 tensor = _unpermute(tensor, heads)

