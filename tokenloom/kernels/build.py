@@ -67,6 +67,7 @@ def build(isa: str, verbose: bool = False) -> Path:
     if not srcs:
         raise FileNotFoundError(f"no kernel sources in {CSRC}")
     from torch.utils.cpp_extension import load
+    _put_venv_ninja_on_path()
     directory = build_dir(isa)
     directory.mkdir(parents=True, exist_ok=True)
     load(name=library_name(isa), sources=[str(s) for s in srcs], extra_cflags=FLAGS[isa] + COMMON_FLAGS,
@@ -75,11 +76,24 @@ def build(isa: str, verbose: bool = False) -> Path:
     return path
 
 
+def _put_venv_ninja_on_path() -> None:
+    """pip's `ninja` lands beside the interpreter, which is not on PATH when .venv/bin/python runs unactivated."""
+    import sys
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
 def main() -> int:
     """`python -m tokenloom.kernels.build [isa]`: build (or find cached) the library for this CPU."""
     import sys
     from tokenloom.kernels.cpu_features import best_isa
-    isa = sys.argv[1] if len(sys.argv) > 1 else best_isa()
+    from tokenloom.kernels import _disabled_by_env
+    if _disabled_by_env():
+        print("tokenloom kernels: TOKENLOOM_KERNELS=off, nothing built")
+        return 0
+    args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    isa = args[0] if args else best_isa()
     if isa is None:
         print("tokenloom kernels: this CPU has neither AVX512-VNNI nor AVX2+FMA; the torch path runs")
         return 0
