@@ -11,7 +11,8 @@
 //   quant_matmul_a8  (W4A8):  x quantized to int8 per 32-value block (scale amax/127), integer dot
 //                             products (vpdpbusd with AVX512-VNNI, maddubs with AVX2), float scaling.
 // Both compute every output row with the same instruction sequence whatever the number of rows,
-// so a sequence's result does not depend on what else is in the batch.
+// so a sequence's result does not depend on what else is in the batch (scalar sums are explicit
+// std::fma: GCC's default -ffp-contract=fast would fuse them differently per instantiation).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -213,13 +214,13 @@ void tile_a8(const int8_t* xq, const float* xmeta, int64_t K, const Weight& w, i
         const int64_t row = n0 + c;
         if constexpr (BS == 32) {
           acc[r][c] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w.scale[row * w.blocks + b] * meta[0]), acc[r][c]);
-          accm[r][c] += w.min[row * w.blocks + b] * meta[1];
+          accm[r][c] = std::fma(w.min[row * w.blocks + b], meta[1], accm[r][c]);
         } else {  // two 16-element weight blocks: lanes 0..3 and 4..7
           const float* s = w.scale + row * w.blocks + 2 * b;
           const float* m = w.min + row * w.blocks + 2 * b;
           const __m256 d = _mm256_set_m128(_mm_set1_ps(s[1] * meta[0]), _mm_set1_ps(s[0] * meta[0]));
           acc[r][c] = _mm256_fmadd_ps(isum, d, acc[r][c]);
-          accm[r][c] += m[0] * meta[2] + m[1] * meta[3];
+          accm[r][c] = std::fma(m[1], meta[3], std::fma(m[0], meta[2], accm[r][c]));
         }
       }
     }
