@@ -46,6 +46,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
     seed: int = 0
+    quantized_matmul: str = "exact"  # exact | w4a8: how quantized GGUF weights multiply (tokenloom/kernels)
     attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class ModelConfig:
         self.matmul_dtype = normalize_dtype(self.matmul_dtype)
         _check_dtype("dtype", self.dtype)
         _check_dtype("matmul_dtype", self.matmul_dtype)
+        _check(self.quantized_matmul in ("exact", "w4a8"),
+               f"quantized_matmul must be exact or w4a8 (got {self.quantized_matmul!r})")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
 
@@ -308,6 +311,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
+    opt("quantized_matmul", str, "quantized GGUF weights on the native CPU kernels: exact (default; float32 "
+        "activations, the float32 model's results) | w4a8 (int8 activations per 32 values, faster, lossier)")
     opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")

@@ -13,6 +13,7 @@ from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
 from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
@@ -103,6 +104,8 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
+    if set_quantized_matmul(loaded.model, config.model.quantized_matmul):  # GGUF blocks on the native kernels
+        logger.info("quantized weights multiply on the native kernels (%s)", config.model.quantized_matmul)
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):

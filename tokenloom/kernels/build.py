@@ -68,6 +68,7 @@ def build(isa: str, verbose: bool = False) -> Path:
         raise FileNotFoundError(f"no kernel sources in {CSRC}")
     from torch.utils.cpp_extension import load
     _put_venv_ninja_on_path()
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))  # ninja's default oversubscribes
     directory = build_dir(isa)
     directory.mkdir(parents=True, exist_ok=True)
     load(name=library_name(isa), sources=[str(s) for s in srcs], extra_cflags=FLAGS[isa] + COMMON_FLAGS,
