@@ -47,7 +47,7 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0
     quantized_matmul: str = "exact"  # exact | w4a8: how quantized GGUF weights multiply (tokenloom/kernels)
-    attention_backend: str = "torch"  # tokenloom.model.layers.attention_backend
+    attention_backend: str = "auto"  # auto | torch | native: tokenloom.model.layers.attention_backend
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -313,7 +313,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("device", str, "auto|cpu|cuda|cuda:N")
     opt("quantized_matmul", str, "quantized GGUF weights on the native CPU kernels: exact (default; float32 "
         "activations, the float32 model's results) | w4a8 (int8 activations per 32 values, faster, lossier)")
-    opt("attention_backend", str, "attention backend: torch (the reference, CPU and CUDA; default)")
+    opt("attention_backend", str, "attention backend: auto (default: native on CPU in float32 when the kernels "
+        "load, else torch) | torch (the reference, CPU and CUDA) | native (C++ paged attention, CPU)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

@@ -3,6 +3,8 @@ its KV cache, build the runner. The block pool that hands those blocks out lives
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,8 @@ from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
-from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, select_attention_backend, \
+    selected_attention_backend
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
@@ -101,6 +104,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     """This rank's model, KV cache and runner (the tensor-parallel group is already joined)."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
+    backend = select_attention_backend(config.model.attention_backend, device, dtype)
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
@@ -122,12 +126,10 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
         _profile_forward(loaded.model, arch, config, device, dtype)
     kv_dtype = _same_or(config.cache.kv_cache_dtype, dtype)
     num_blocks = all_reduce_min(_count_blocks(config, arch, device, kv_dtype))  # every rank holds as many
-    attention = attention_backend()
+    attention = selected_attention_backend()
     shape = attention.kv_cache_shape(num_blocks, block_size, kv_heads_per_rank(arch, tp_group().size),
                                      arch.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                 for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer", disable=not progress,
-                               leave=False)]
+    kv_caches = [allocate_kv_cache(shape, kv_dtype, device) for _ in range(arch.num_layers)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
@@ -146,30 +148,42 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     attention.bind(kv_caches[0])
     runner = ModelRunner(loaded.model, kv_caches, block_size, device, attention)
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
-    _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    _warm_up(loaded.model, kv_caches, block_size, device, attention, progress)
     if tp_group().is_first:
+        logger.info("attention backend: %s", backend)
         logger.info(setup.summary())
     return setup
 
 
+def allocate_kv_cache(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV cache, zero-filled. On CPU it is a fresh anonymous mapping: it reads as zeros and the
+    kernel backs a page with memory only when a block on it is first written, so start-up does not fault in
+    (and the process does not hold) the whole budget. torch.zeros wrote every page: ~0.5 s and its full size in
+    RSS for the default 2 GiB, before the first request (PERFORMANCE.md, "Start-up and memory")."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
 @torch.inference_mode()
-def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> None:
-    """One small prefill and one decode, so the first request does not pay for lazy initialisation."""
+def _warm_up(model, kv_caches, block_size: int, device, attention: AttentionBackend, progress: bool) -> None:
+    """One small prefill and one decode through the backend's own metadata, so the first request does not pay
+    for lazy initialisation (oneDNN primitives, the thread pool, SDPA's first call). They write blocks 0 and
+    1, zeroed again after."""
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
-        table = torch.zeros(1, dtype=torch.long, device=device)
-        meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None, [PrefillChunk(0, n, n, table)])
-        model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
-                                   kv_caches, meta)[-1:])
+        blocks = [0, 1]
+        slots = torch.arange(n, device=device)
+        meta = attention.build_metadata([ScheduledSpan(0, 0, n, blocks)], slots)
+        model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), slots, kv_caches, meta)[-1:])
         bar.update(1)
-        mask = (torch.arange(block_size, device=device) <= n).view(1, 1, 1, -1)
-        meta = AttentionMetadata(torch.tensor([n], device=device), 1, table.view(1, 1),
-                                 torch.tensor([n + 1], device=device), mask, [])
-        model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
-                                   torch.tensor([n], device=device), kv_caches, meta))
+        position = torch.tensor([n], device=device)
+        meta = attention.build_metadata([ScheduledSpan(0, n, 1, blocks)], position)
+        model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device), position, kv_caches, meta))
         bar.update(1)
     for cache in kv_caches:
-        cache[:, 0].zero_()
+        cache[:, :2].zero_()
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:

@@ -9,7 +9,6 @@ from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_t
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.setup import _name, build_worker, pick_device
 from tokenloom.executor.worker_info import WorkerInfo
-from tokenloom.model.layers.attention_backend import select_attention_backend
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -27,7 +26,6 @@ class Worker:
         parallel = self.config.parallel
         init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
                              pick_device(self.config.model.device))
-        select_attention_backend(self.config.model.attention_backend)
         self.setup = setup = build_worker(self.config, progress=self.progress)
         arch = setup.arch
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom import kernels
+from tokenloom.config import ConfigError
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk, TorchAttention, decode_group_size
 
 
@@ -100,18 +102,37 @@ _BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}
 _SELECTED = "torch"
 
 
-def select_attention_backend(name: str) -> None:
-    """Choose the backend models built from now on use (the worker calls this before loading)."""
+def select_attention_backend(name: str, device: torch.device | None = None,
+                             dtype: torch.dtype = torch.float32) -> str:
+    """Choose the backend whose metadata the runner builds (the worker calls this before loading). "auto":
+    the native kernels for float32 activations on the CPU when they load, torch otherwise. Returns the choice."""
     global _SELECTED
+    on_cpu = device is None or device.type == "cpu"
+    if name == "auto":
+        name = "native" if on_cpu and dtype == torch.float32 and kernels.enabled() else "torch"
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(sorted(_BACKENDS))})")
+        raise ConfigError(f"unknown attention backend {name!r} (known: auto, {', '.join(sorted(_BACKENDS))})")
+    if name == "native" and not (on_cpu and dtype == torch.float32):
+        raise ConfigError("--attention-backend native runs float32 activations on the CPU only; use torch")
     _SELECTED = name
+    return name
+
+
+def selected_attention_backend() -> AttentionBackend:
+    """A new instance of the selected backend: the runner's metadata builder."""
+    return _BACKENDS[_SELECTED]()
 
 
 def attention_backend() -> AttentionBackend:
-    return _BACKENDS[_SELECTED]()
+    """The backend that makes the model's per-layer attention impls. With the kernels loaded that is the
+    native one whatever is selected: its impls run whichever metadata they are given (native, or the torch
+    backend's through the torch reference), so one set of loaded weights serves engines on either backend."""
+    return _BACKENDS["native" if kernels.enabled() else "torch"]()
 
 
 def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     _BACKENDS[cls.name] = cls
     return cls
+
+
+from tokenloom.model.layers import attention_native  # noqa: E402,F401  registers "native" (imports this module)

@@ -1,7 +1,7 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.kernels import layer_ops
 from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -19,5 +19,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * this rank's share]: gate then up
+        if layer_ops.native(gate_up):
+            return self.down_proj(torch.ops.tokenloom.silu_and_mul(gate_up))
+        return self.down_proj(layer_ops.silu_and_mul_reference(gate_up))
