@@ -193,3 +193,25 @@ def test_a_dense_piece_makes_the_weight_dense():
     slot.narrow(0, 4, 4).copy_(dense)
     out = slot.finalize("w")
     assert isinstance(out, torch.Tensor) and torch.equal(out, torch.cat([q.dequantize(), dense]))
+
+
+@pytest.mark.kernels
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in cpu_features.supported_isas() or cpu_features.best_isa() == "avx2",
+                    reason="the AVX2 build is the default here (or this CPU has no AVX2)")
+def test_the_avx2_build_matches_the_references_too(tmp_path):
+    """The AVX2 build (maddubs instead of vpdpbusd, 8-lane FMAs) in a process of its own: both builds
+    register the same op names, so one process holds one."""
+    code = (
+        "import torch; from tokenloom import kernels; assert kernels.load() and kernels.isa() == 'avx2'\n"
+        "from tokenloom.kernels import quant\n"
+        "import test_kernels_quant as t\n"
+        "for bits, block in t.FORMATS:\n"
+        "    w = t._random_weight(37, 576, bits, block); x = torch.randn(7, 576)\n"
+        "    args = (w.qweight, w.scales, w.mins, bits, block)\n"
+        "    assert t._rel(quant.quant_matmul(x, *args), quant.quant_matmul_reference(x, *args)) < t.EXACT_TOL\n"
+        "    assert t._rel(quant.quant_matmul_a8(x, *args), quant.quant_matmul_a8_reference(x, *args)) < t.A8_TOL\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(__file__), env={**os.environ, "TOKENLOOM_KERNEL_ISA": "avx2"})
+    assert proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -54,7 +54,8 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     m = x.shape[0]
     blocks = x.float().reshape(m, -1, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division (torch turns `127.0 / amax` into 127 * (1 / amax), one more rounding than the kernel's)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[..., None])
     return q.reshape(m, -1).to(torch.int8), amax / 127.0
 
