@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -71,10 +72,24 @@ def build(isa: str, verbose: bool = False) -> Path:
     os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))  # ninja's default oversubscribes
     directory = build_dir(isa)
     directory.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(directory)
     load(name=library_name(isa), sources=[str(s) for s in srcs], extra_cflags=FLAGS[isa] + COMMON_FLAGS,
          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], build_directory=str(directory),
          is_python_module=False, verbose=verbose)
     return path
+
+
+STALE_LOCK_SECONDS = 900  # a cold build takes ~40 s alone, a few minutes on a loaded 2-core machine
+
+
+def _drop_stale_lock(directory: Path) -> None:
+    """torch waits forever on the lock file of a build that was killed: drop one far older than any build."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _put_venv_ninja_on_path() -> None:
