@@ -25,7 +25,7 @@ FLAGS = {
                "-mfma", "-mf16c"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"],
 }
-COMMON_FLAGS = ["-std=c++17", "-fopenmp", "-DNDEBUG", "-Wno-unused-function"]
+COMMON_FLAGS = ["-fopenmp", "-DNDEBUG", "-Wno-unused-function"]
 
 
 def cache_root() -> Path:

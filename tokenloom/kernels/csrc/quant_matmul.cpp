@@ -229,6 +229,51 @@ void tile_a8(const int8_t* xq, const float* xmeta, int64_t K, const Weight& w, i
     for (int c = 0; c < NC; ++c) out[r * ldo + n0 + c] = hsum256(acc[r][c]) + accm[r][c];
 }
 
+// Four columns at once: their block sums are reduced together (hadd) and scaled as one 4-lane vector, so
+// the per-block float work is shared by the four columns instead of repeated for each.
+template <int BITS, int BS, int MR>
+void tile_a8_x4(const int8_t* xq, const float* xmeta, int64_t K, const Weight& w, int64_t n0, float* out,
+                int64_t ldo) {
+  constexpr int QB = XB * BITS / 8;
+  const int64_t nbx = K / XB;
+  __m128 acc[MR], accm[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm_setzero_ps(), accm[r] = _mm_setzero_ps();
+  const int64_t nb = w.blocks;
+  auto col4 = [&](const float* base, int64_t i) {
+    return _mm_setr_ps(base[n0 * nb + i], base[(n0 + 1) * nb + i], base[(n0 + 2) * nb + i], base[(n0 + 3) * nb + i]);
+  };
+  for (int64_t b = 0; b < nbx; ++b) {
+    __m256i wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = load_w8<BITS>(w.q + (n0 + c) * w.q_stride + b * QB);
+    __m128 d0, d1, m0, m1;
+    if constexpr (BS == 32) {
+      d0 = col4(w.scale, b), m0 = col4(w.min, b);
+      d1 = m1 = d0;
+    } else {
+      d0 = col4(w.scale, 2 * b), d1 = col4(w.scale, 2 * b + 1);
+      m0 = col4(w.min, 2 * b), m1 = col4(w.min, 2 * b + 1);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * XB));
+      const float* meta = xmeta + (r * nbx + b) * 4;
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(dot_u8s8<BITS>(wv[0], xv), dot_u8s8<BITS>(wv[1], xv)),
+                                          _mm256_hadd_epi32(dot_u8s8<BITS>(wv[2], xv), dot_u8s8<BITS>(wv[3], xv)));
+      // low 128 bits: each column's sum over elements 0..15; high: over 16..31
+      const __m128 lo = _mm_cvtepi32_ps(_mm256_castsi256_si128(h));
+      const __m128 hi = _mm_cvtepi32_ps(_mm256_extracti128_si256(h, 1));
+      const __m128 dx = _mm_set1_ps(meta[0]);
+      if constexpr (BS == 32) {
+        acc[r] = _mm_fmadd_ps(_mm_add_ps(lo, hi), _mm_mul_ps(d0, dx), acc[r]);
+        accm[r] = _mm_fmadd_ps(m0, _mm_set1_ps(meta[1]), accm[r]);
+      } else {
+        acc[r] = _mm_fmadd_ps(hi, _mm_mul_ps(d1, dx), _mm_fmadd_ps(lo, _mm_mul_ps(d0, dx), acc[r]));
+        accm[r] = _mm_fmadd_ps(m1, _mm_set1_ps(meta[3]), _mm_fmadd_ps(m0, _mm_set1_ps(meta[2]), accm[r]));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm_storeu_ps(out + r * ldo + n0, _mm_add_ps(acc[r], accm[r]));
+}
+
 // ---- driver --------------------------------------------------------------------------------------
 constexpr int MR = 4;        // rows a tile
 constexpr int NC = 4;        // weight rows (output columns) a tile
@@ -304,8 +349,8 @@ void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const Weight& w, float*
   const float* meta = xq.meta.data();
   run_tiles(
       M, N,
-      [&](int64_t m, int64_t n) { tile_a8<BITS, BS, MR, NC>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); },
-      [&](int64_t m, int64_t n) { tile_a8<BITS, BS, 1, NC>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); },
+      [&](int64_t m, int64_t n) { tile_a8_x4<BITS, BS, MR>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); },
+      [&](int64_t m, int64_t n) { tile_a8_x4<BITS, BS, 1>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); },
       [&](int64_t m, int64_t n) { tile_a8<BITS, BS, MR, 1>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); },
       [&](int64_t m, int64_t n) { tile_a8<BITS, BS, 1, 1>(q + m * K, meta + m * nbx * 4, K, w, n, out + m * N, N); });
 }
