@@ -24,13 +24,15 @@ class LoadedModel:
     seconds: float
 
 
-def open_model_source(path: str, dtype: torch.dtype):
+def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
+    """The weights' source: an HF folder, a weight-cache entry (dense in `dtype`, or the repacked blocks when
+    `quantized`), or the GGUF file itself."""
     if os.path.isdir(path):
         from tokenloom.model.loader.safetensors_loader import HFModelFolder
         return HFModelFolder(path)
-    from tokenloom.model.loader.weight_cache import CachedWeights
+    from tokenloom.model.loader.weight_cache import QUANTIZED, CachedWeights
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
-    return CachedWeights.lookup(path, dtype) or GGUFModelFile(path)
+    return CachedWeights.lookup(path, QUANTIZED if quantized else dtype) or GGUFModelFile(path)
 
 
 def read_arch_config(model: str | None) -> ArchConfig:
@@ -38,10 +40,10 @@ def read_arch_config(model: str | None) -> ArchConfig:
     return open_model_source(resolve_model_path(model), torch.float32).arch_config
 
 
-def keeps_quantized(path: str, device: torch.device) -> bool:
-    """Whether a GGUF's quantized weights load as they are (the native kernels run on this CPU) rather than
-    dequantized to dense float (the torch path, TOKENLOOM_KERNELS=off)."""
-    if device.type != "cpu" or os.path.isdir(path):
+def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF's quantized weights load as they are (the native kernels run on this CPU, float32
+    activations) rather than dequantized to dense float (the torch path, TOKENLOOM_KERNELS=off)."""
+    if device.type != "cpu" or dtype != torch.float32 or os.path.isdir(path):
         return False
     from tokenloom import kernels
     return kernels.load()
@@ -53,14 +55,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     start = time.perf_counter()
     path = resolve_model_path(model)
     if quantized is None:
-        quantized = keeps_quantized(path, device)
+        quantized = keeps_quantized(path, device, dtype)
     from tokenloom.model.loader import weight_cache
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
     cache_key = weight_cache.QUANTIZED if quantized else dtype
-    if quantized:  # its own cache entry: the blocks repacked, not dense tensors
-        source = weight_cache.CachedWeights.lookup(path, cache_key) or GGUFModelFile(path)
-    else:
-        source = open_model_source(path, dtype)
+    source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
     arch.check_tensor_parallel(tp_group().size)
     cls = model_class(arch.architecture)
@@ -69,6 +68,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     net = net.to_empty(device=device).to(dtype)
     _reset_buffers(net, arch, device)
     from tokenloom.model.layers import quantized_linear
+    expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
     if quantized:
         quantized_linear.install_slots(net)
     fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
@@ -91,7 +91,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     bar.close()
     if not seen:
         raise ValueError(f"{path}: no tensors found")
-    missing = sorted(net.checkpoint_names() - seen)
+    missing = sorted(expected - seen)
     if missing:  # the parameters they fill would be left as uninitialized memory
         from tokenloom.model.loader.gguf_loader import CorruptModelError
         raise CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): {', '.join(missing[:5])}"
