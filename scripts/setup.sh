@@ -11,7 +11,19 @@ PY=${PYTHON:-python3}
 MODE=${1:-run}
 STAMP=.venv/.setup-$MODE
 HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+# The native kernels (tokenloom/kernels): built once per ISA, torch version and source hash, cached
+# (a cached build only loads). A failed build is no set-up failure: the engine runs its torch path.
+# Their own stamp: changed sources rebuild them without reinstalling anything.
+KSTAMP=.venv/.setup-kernels
+KHASH=$(cat tokenloom/kernels/csrc/* tokenloom/kernels/build.py 2>/dev/null | sha256sum | cut -c1-16)
+build_kernels() {
+  if ! .venv/bin/python -m tokenloom.kernels.build >.venv/kernels-build.log 2>&1; then
+    echo "setup: the native kernels did not build (log: .venv/kernels-build.log); the torch path runs" >&2
+  fi
+  echo "$KHASH" >"$KSTAMP"
+}
 if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$HASH" ]; then
+  [ "$(cat "$KSTAMP" 2>/dev/null)" = "$KHASH" ] || build_kernels
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -54,6 +66,7 @@ if [ "$MODE" = "test" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v
     echo "setup: no chromium and no apt as root: the browser tests (-m ui) will be skipped" >&2
   fi
 fi
+build_kernels
 echo "$HASH" >"$STAMP"
 [ "$MODE" = "test" ] && echo "$HASH" >.venv/.setup-run
 echo "setup: done" >&2

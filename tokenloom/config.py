@@ -46,7 +46,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context, clamped to the KV cache
     served_model_name: str | None = None
     seed: int = 0
-    attention_backend: str = "auto"  # tokenloom.model.layers.attention_backend: auto | torch | flashinfer
+    quantized_matmul: str = "exact"  # exact | w4a8: how quantized GGUF weights multiply (tokenloom/kernels)
+    # tokenloom.model.layers.attention_backend: auto | torch | native (CPU kernels) | flashinfer (CUDA)
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no graph capture (tokenloom.model.cuda_graphs)
     cuda_graph_sizes: list[int] | None = None  # CUDA: decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
     # vLLM's --runner / --convert: "pooling" (or convert "embed") serves embeddings instead of generation;
@@ -59,6 +61,8 @@ class ModelConfig:
         self.matmul_dtype = normalize_dtype(self.matmul_dtype)
         _check_dtype("dtype", self.dtype)
         _check_dtype("matmul_dtype", self.matmul_dtype)
+        _check(self.quantized_matmul in ("exact", "w4a8"),
+               f"quantized_matmul must be exact or w4a8 (got {self.quantized_matmul!r})")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1 (got {self.max_model_len})")
         _check(not self.cuda_graph_sizes or min(self.cuda_graph_sizes) >= 1,
@@ -333,8 +337,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
-    opt("attention_backend", str, "attention backend: auto (default: flashinfer on CUDA when installed, else torch)"
-        "|torch (the reference, CPU and CUDA)|flashinfer (CUDA, float16/bfloat16)")
+    opt("quantized_matmul", str, "quantized GGUF weights on the native CPU kernels: exact (default; float32 "
+        "activations, the float32 model's results) | w4a8 (int8 activations per 32 values, faster, lossier)")
+    opt("attention_backend", str, "attention backend: auto (default: native on CPU in float32 when the kernels "
+        "load, flashinfer on CUDA when installed, else torch) | torch (the reference, CPU and CUDA) | native (C++ "
+        "paged attention, CPU) | flashinfer (CUDA, float16/bfloat16)")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true",
                    default=env_default("enforce_eager", None, bool),
                    help="CUDA: run every step eagerly, without capturing CUDA graphs for decode steps")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.model.layers.attention_backend import (ScheduledSpan, TorchAttentionBackend,
-                                                      resolve_attention_backend)
+from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend, select_attention_backend
 from tokenloom.model.layers.attention_flashinfer import paged_kv_layout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -80,10 +79,14 @@ def test_attention_through_the_planned_pages_equals_the_torch_backend():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_picks_torch_on_cpu_and_keeps_an_explicit_choice():
-    cpu = torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "torch"
-    assert resolve_attention_backend("flashinfer", cpu, torch.float32) == "flashinfer"
+def test_auto_picks_flashinfer_only_on_cuda_without_windows():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    try:
+        assert select_attention_backend("auto", cpu, torch.bfloat16) == "torch"
+        assert select_attention_backend("auto", cuda, torch.bfloat16, windowed=True) == "torch"
+        assert select_attention_backend("flashinfer", cpu, torch.float32) == "flashinfer"
+    finally:
+        select_attention_backend("auto", cpu, torch.float32)
 
 
 @pytest.mark.gpu

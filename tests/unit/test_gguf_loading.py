@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tokenloom.model.arch_config import UnsupportedModelError
-from tokenloom.model.loader import load_model, open_model_source
+from tokenloom.model.loader import keeps_quantized, load_model, open_model_source
 from tokenloom.model.loader.gguf_loader import CorruptModelError, GGUFModelFile
 from tokenloom.model.loader.weight_cache import CachedWeights
 
@@ -162,7 +162,8 @@ def build_tiny_llama(path: str, storage: dict[str, Q] = STORAGE, seed: int = 0) 
 
 
 def loaded_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """A checkpoint (HF-named) tensor as it sits in our model, which stacks q/k/v and gate/up."""
+    """A checkpoint (HF-named) tensor as it sits in our model, which stacks q/k/v and gate/up; a weight kept
+    quantized for the native kernels (tokenloom/model/layers/quantized_weight.py) as its float values."""
     merged = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     module_path, _, param = name.rpartition(".")
@@ -171,8 +172,12 @@ def loaded_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
         leaf, shard = merged[leaf]
         module = model.get_submodule(f"{parent}.{leaf}")
         start, size = module.offsets[shard]
-        return getattr(module, param).detach().narrow(0, start, size)
-    return model.get_parameter(name).detach()
+        return _values(getattr(module, param)).narrow(0, start, size)
+    return _values(getattr(model.get_submodule(module_path), param))
+
+
+def _values(weight) -> torch.Tensor:
+    return weight.detach() if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 @pytest.fixture(scope="module")
@@ -267,11 +272,12 @@ def test_loads_in_the_requested_dtype(tiny):
 def test_weight_cache_round_trip_gives_identical_parameters(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_WEIGHT_CACHE", "1")
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
-    assert isinstance(open_model_source(tiny.path, torch.float32), GGUFModelFile)  # cold: nothing cached yet
+    quantized = keeps_quantized(tiny.path, torch.device("cpu"), torch.float32)  # the native kernels' entry
+    assert isinstance(open_model_source(tiny.path, torch.float32, quantized), GGUFModelFile)  # cold: nothing cached
 
     first = load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False)
     assert sorted(p.suffix for p in (tmp_path / "cache" / "weights").iterdir()) == [".json", ".safetensors"]
-    assert isinstance(open_model_source(tiny.path, torch.float32), CachedWeights)  # warm: served from the cache
+    assert isinstance(open_model_source(tiny.path, torch.float32, quantized), CachedWeights)  # warm: from the cache
 
     second = load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False)
     assert second.arch == first.arch

@@ -17,6 +17,15 @@ from tokenloom.model.loader.weight_cache import CachedWeights
 
 
 @pytest.fixture(autouse=True)
+def dense_weights(monkeypatch):
+    """These tests are about entries of dense tensors per dtype: load as the torch path does. (With the native
+    kernels a float32 GGUF load keeps its blocks, in an entry of its own: the round trip in
+    test_gguf_loading.py covers that one.)"""
+    import tokenloom.model.loader as loader
+    monkeypatch.setattr(loader, "keeps_quantized", lambda *args: False)
+
+
+@pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TOKENLOOM_WEIGHT_CACHE", "1")

@@ -3,6 +3,8 @@ its KV cache, build the runner. The block pool that hands those blocks out lives
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass
 
@@ -14,9 +16,10 @@ from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.cuda_graphs import DecodeGraphs, capture_sizes
-from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
-from tokenloom.model.layers.attention_backend import attention_backend
-from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, select_attention_backend, \
+    selected_attention_backend
+from tokenloom.model.layers.quantized_linear import set_quantized_matmul
+from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.pooler import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
@@ -116,11 +119,15 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     """This rank's model, KV cache and runner (the tensor-parallel group is already joined)."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
+    backend = select_attention_backend(config.model.attention_backend, device, dtype,
+                                       kv_cache_dtype(config, device), _windowed(config, device))
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.model, dtype, device, progress=progress)
     arch = loaded.arch
     # Embeddings (tokenloom/model/pooler.py): the runner pools the model's hidden states when this is set.
     pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path, arch.hidden_size)
+    if set_quantized_matmul(loaded.model, config.model.quantized_matmul):  # GGUF blocks on the native kernels
+        logger.info("quantized weights multiply on the native kernels (%s)", config.model.quantized_matmul)
     matmul_dtype = _same_or(config.model.matmul_dtype, dtype)
     if matmul_dtype != dtype:
         if device.type == "cpu" and not native_cpu_matmul(matmul_dtype):
@@ -140,7 +147,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     kv_dtype = kv_cache_dtype(config, device)
     num_blocks = all_reduce_min(_count_blocks(config, arch, kv_dtype, profiled,  # every rank holds as many
                                               draft.arch if draft is not None else None))
-    attention = attention_backend()
+    attention = selected_attention_backend()
     graphs = wants_cuda_graphs(config, device, attention)
     # With graphs, one block more than the pool hands out: the padding rows' scratch block.
     shape = attention.kv_cache_shape(num_blocks + graphs, block_size, kv_heads_per_rank(arch, tp_group().size),
@@ -148,9 +155,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if getattr(loaded.model, "is_encoder", False):  # never read nor written: views of one element, no memory
         kv_caches = [torch.zeros((), dtype=kv_dtype, device=device).expand(shape) for _ in range(arch.num_layers)]
     else:
-        kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                     for _ in tqdm(range(arch.num_layers), desc="Allocating KV cache", unit="layer",
-                                   disable=not progress, leave=False)]
+        kv_caches = [allocate_kv_cache(shape, kv_dtype, device) for _ in range(arch.num_layers)]
     max_len = min(arch.max_position_embeddings, config.model.max_model_len or arch.max_position_embeddings)
     if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
         raise ConfigError(f"max_model_len {config.model.max_model_len} is longer than the model's context "
@@ -173,10 +178,11 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
                                        config.speculative_config.num_speculative_tokens, max_len)
     runner.pooling = pooling
     setup = WorkerSetup(loaded, runner, device, dtype, num_blocks, block_size, max_len)
-    setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, progress)
+    setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, attention, progress)
     if graphs:
         runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
     if tp_group().is_first:
+        logger.info("attention backend: %s", backend)
         logger.info(setup.summary())
     return setup
 
@@ -215,51 +221,73 @@ def _load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, d
     return draft
 
 
+def _windowed(config: EngineConfig, device: torch.device) -> bool:
+    """Whether some layer attends within a sliding window (read from the config only where it matters: the
+    automatic choice on CUDA, since FlashInfer is not wired to windows yet)."""
+    if config.model.attention_backend != "auto" or device.type != "cuda":
+        return False
+    arch = read_arch_config(config.model.model)
+    return any(arch.layer_window(i) is not None for i in range(arch.num_layers))
+
+
+def allocate_kv_cache(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV cache, zero-filled. On CPU it is a fresh anonymous mapping: it reads as zeros and the
+    kernel backs a page with memory only when a block on it is first written, so start-up does not fault in
+    (and the process does not hold) the whole budget. torch.zeros wrote every page: ~0.5 s and its full size in
+    RSS for the default 2 GiB, before the first request (PERFORMANCE.md, "Start-up and memory")."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
 @torch.inference_mode()
-def _warm_up(model, kv_caches, block_size: int, device, progress: bool) -> float:
-    """One small prefill and one decode, so the first request does not pay for lazy initialisation. Returns
-    the decode's seconds (admission's first guess of the engine's speed, before any request is measured)."""
+def _warm_up(model, kv_caches, block_size: int, device, attention: AttentionBackend, progress: bool) -> float:
+    """One small prefill and one decode through the backend's own metadata, so the first request does not pay
+    for lazy initialisation (oneDNN primitives, the thread pool, SDPA's first call). They write blocks 0 and
+    1, zeroed again after. Returns the decode's seconds (admission's first guess of the engine's speed, before
+    any request is measured)."""
     if getattr(model, "is_encoder", False):  # no KV cache, no head: one whole short sequence
         model(torch.zeros(8, dtype=torch.long, device=device), torch.arange(8, device=device))
         return 0.0
     with tqdm(total=2, desc="Warming up", unit="pass", disable=not progress, leave=False) as bar:
         n = min(8, block_size)
-        table = torch.zeros(1, dtype=torch.long, device=device)
-        meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None, [PrefillChunk(0, n, n, table)])
-        model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
-                                   kv_caches, meta)[-1:])
+        blocks = [0, 1]
+        slots = torch.arange(n, device=device)
+        meta = attention.build_metadata([ScheduledSpan(0, 0, n, blocks)], slots)
+        model.compute_logits(model(torch.zeros(n, dtype=torch.long, device=device), slots, kv_caches, meta)[-1:])
         bar.update(1)
-        mask = (torch.arange(block_size, device=device) <= n).view(1, 1, 1, -1)
-        meta = AttentionMetadata(torch.tensor([n], device=device), 1, table.view(1, 1),
-                                 torch.tensor([n + 1], device=device), mask, [])
+        position = torch.tensor([n], device=device)
+        meta = attention.build_metadata([ScheduledSpan(0, n, 1, blocks)], position)
         seconds = float("inf")
         for _ in range(2):  # the first call pays for lazy set-up; the faster of two is the step's time
             start = time.perf_counter()
-            model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device),
-                                       torch.tensor([n], device=device), kv_caches, meta))
+            model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device), position, kv_caches, meta))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = min(seconds, time.perf_counter() - start)
         bar.update(1)
     for cache in kv_caches:
-        cache[:, 0].zero_()
+        cache[:, :2].zero_()
     return seconds
 
 
 def _profile_forward(model, arch: ArchConfig, config: EngineConfig, device, dtype) -> None:
     """The largest step the scheduler can emit (a full token budget of prefill, then the logits of a full
-    batch), over a scratch KV cache just big enough for it, so the KV budget leaves room for activations."""
+    batch), over a scratch KV cache just big enough for it, so the KV budget leaves room for activations.
+    The step's metadata comes from the selected backend, whose impls the model's layers are."""
     n = config.scheduler.max_num_batched_tokens
     bs = config.cache.block_size
     blocks = -(-n // bs)
-    caches = [torch.zeros(2, blocks, bs, kv_heads_per_rank(arch, tp_group().size), arch.head_dim, dtype=dtype,
-                          device=device)
+    attention = selected_attention_backend()
+    caches = [torch.zeros(attention.kv_cache_shape(blocks, bs, kv_heads_per_rank(arch, tp_group().size),
+                                                   arch.head_dim), dtype=dtype, device=device)
               for _ in range(arch.num_layers)]
-    meta = AttentionMetadata(torch.arange(n, device=device), 0, None, None, None,
-                             [PrefillChunk(0, n, n, torch.arange(blocks, device=device))])
+    attention.bind(caches[0])
+    positions = torch.arange(n, device=device) % arch.max_position_embeddings
+    meta = attention.build_metadata([ScheduledSpan(0, 0, n, list(range(blocks)))], torch.arange(n, device=device))
     with torch.inference_mode():
-        hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % 
-                       arch.max_position_embeddings, caches, meta)
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device), positions, caches, meta)
         if not getattr(model, "is_encoder", False):
             model.compute_logits(hidden[-config.scheduler.max_num_seqs:])
     del caches, hidden

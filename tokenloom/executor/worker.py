@@ -8,10 +8,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.distributed.expert_parallel import init_expert_parallel
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.setup import _name, build_worker, kv_cache_dtype, pick_device
+from tokenloom.executor.setup import _name, build_worker, pick_device
 from tokenloom.executor.worker_info import WorkerInfo
-from tokenloom.model.layers.attention_backend import resolve_attention_backend, select_attention_backend
-from tokenloom.model.loader import read_arch_config
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -27,10 +25,9 @@ class Worker:
 
     def load(self) -> WorkerInfo:
         parallel = self.config.parallel
-        device = pick_device(self.config.model.device)
-        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0, device)
+        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
+                             pick_device(self.config.model.device))
         init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
-        select_attention_backend(self._attention_backend(device))
         self.setup = setup = build_worker(self.config, progress=self.progress)
         arch = setup.arch
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
@@ -41,13 +38,6 @@ class Worker:
                           tensor_parallel_size=tp_group().size, summary=setup.summary(),
                           pooling=setup.runner.pooling, warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window)
-
-    def _attention_backend(self, device) -> str:
-        name, windowed = self.config.model.attention_backend, False
-        if name == "auto" and device.type == "cuda":  # FlashInfer is not wired to sliding windows yet
-            arch = read_arch_config(self.config.model.model)
-            windowed = any(arch.layer_window(i) is not None for i in range(arch.num_layers))
-        return resolve_attention_backend(name, device, kv_cache_dtype(self.config, device), windowed)
 
     @property
     def runner(self):

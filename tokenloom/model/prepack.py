@@ -40,7 +40,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, (Linear, FusedMoE)):
             packed += module.method.pack(module)
-    if has_tied_head(model) and not model.head_weight().is_mkldnn:
+    if has_tied_head(model) and isinstance(model.head_weight(), torch.Tensor) and not model.head_weight().is_mkldnn:
         model.tied_head_weight = pack_weight(model.head_weight())
         packed += model.tied_head_weight.is_mkldnn
     return packed

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom import kernels
+from tokenloom.config import ConfigError
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk, TorchAttention, decode_group_size
 
 
@@ -110,27 +112,46 @@ _BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend, "flashinfer": _f
 _SELECTED = "torch"
 
 
-def resolve_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype, windowed: bool = False) -> str:
-    """`auto`: FlashInfer on CUDA when it imports, the KV cache is float16/bfloat16 and no layer attends
-    within a sliding window (not wired to FlashInfer yet), else torch."""
-    if name != "auto":
-        return name
-    from tokenloom.model.layers.attention_flashinfer import supports
-    return "flashinfer" if supports(device, kv_dtype) and not windowed else "torch"
-
-
-def select_attention_backend(name: str) -> None:
-    """Choose the backend models built from now on use (the worker calls this before loading)."""
+def select_attention_backend(name: str, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                             kv_dtype: torch.dtype | None = None, windowed: bool = False) -> str:
+    """Choose the backend whose metadata the runner builds (the worker calls this before loading). "auto": on
+    CUDA, FlashInfer when it imports, the KV cache is float16/bfloat16 and no layer attends within a sliding
+    window (not wired to FlashInfer yet), else torch; on CPU, the native kernels for float32 activations when
+    they load, else torch. Returns the choice."""
     global _SELECTED
+    on_cpu = device is None or device.type == "cpu"
+    if name == "auto":
+        if not on_cpu:
+            from tokenloom.model.layers.attention_flashinfer import supports
+            name = "flashinfer" if supports(device, kv_dtype or dtype) and not windowed else "torch"
+        else:
+            name = "native" if dtype == torch.float32 and kernels.enabled() else "torch"
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (known: auto, {', '.join(sorted(_BACKENDS))})")
+        raise ConfigError(f"unknown attention backend {name!r} (known: auto, {', '.join(sorted(_BACKENDS))})")
+    if name == "native" and not (on_cpu and dtype == torch.float32):
+        raise ConfigError("--attention-backend native runs float32 activations on the CPU only; use torch")
     _SELECTED = name
+    return name
+
+
+def selected_attention_backend() -> AttentionBackend:
+    """A new instance of the selected backend: the runner's metadata builder."""
+    return _BACKENDS[_SELECTED]()
 
 
 def attention_backend() -> AttentionBackend:
-    return _BACKENDS[_SELECTED]()
+    """The backend that makes the model's per-layer attention impls. FlashInfer's own when it is selected;
+    otherwise, with the kernels loaded, the native one whatever is selected: its impls run whichever metadata
+    they are given (native, or the torch backend's through the torch reference), so one set of loaded weights
+    serves engines on either backend."""
+    if _SELECTED == "flashinfer":
+        return _BACKENDS["flashinfer"]()
+    return _BACKENDS["native" if kernels.enabled() else "torch"]()
 
 
 def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     _BACKENDS[cls.name] = cls
     return cls
+
+
+from tokenloom.model.layers import attention_native  # noqa: E402,F401  registers "native" (imports this module)

@@ -1,8 +1,8 @@
 """How a linear layer stores its weight and multiplies by it, apart from how the layer is sharded.
 
 Parallel layers (linear.py) decide which slice of a checkpoint tensor a rank holds; the
-method decides the weight's form after loading (dtype, packed layout, later quantized
-blocks) and does the math. Each layer holds its method, so a row-parallel layer with a
+method decides the weight's form after loading (dtype, packed layout, quantized
+blocks: quantized_linear.py) and does the math. Each layer holds its method, so a row-parallel layer with a
 quantized weight is the two composed, with no class for every pair.
 """
 from __future__ import annotations
@@ -47,7 +47,10 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, in the weight's dtype when it differs from x's (reduced-precision matmul weights),
-    with the result and the bias addition back in x's dtype. ``weight`` may be prepacked for oneDNN."""
+    with the result and the bias addition back in x's dtype. ``weight`` may be prepacked for oneDNN, or a
+    QuantizedWeight (the native kernels multiply it; tokenloom/model/layers/quantized_linear.py)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     if weight.is_mkldnn:
         out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
     elif weight.dtype == x.dtype:

@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.kernels import layer_ops
 from tokenloom.model.arch_config import UnsupportedModelError
 from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -22,6 +23,7 @@ class GatedMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported MLP activation {activation!r} (supported: "
                                         f"{', '.join(ACTIVATIONS)})")
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, {"gate": intermediate_size,
                                                                      "up": intermediate_size})
@@ -29,5 +31,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * this rank's share]: gate then up
+        if self.activation == "silu":
+            if layer_ops.native(gate_up):
+                return self.down_proj(torch.ops.tokenloom.silu_and_mul(gate_up))
+            return self.down_proj(layer_ops.silu_and_mul_reference(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

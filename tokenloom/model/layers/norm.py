@@ -1,5 +1,9 @@
+"""RMSNorm, optionally fused with the residual add before it (`norm(x, residual)`), as each decoder layer
+boundary does: one native call instead of an add and five torch ops when the kernels are loaded."""
 import torch
 from torch import nn
+
+from tokenloom.kernels import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -10,11 +14,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        if layer_ops.native(x) and self.weight.dtype == torch.float32:
+            if residual is None:
+                return torch.ops.tokenloom.rms_norm(x, self.weight, self.eps)
+            return torch.ops.tokenloom.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return layer_ops.rms_norm_reference(x, self.weight, self.eps)
+        return layer_ops.add_rms_norm_reference(x, residual, self.weight, self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from tokenloom.kernels import layer_ops
 from tokenloom.model.arch_config import UnsupportedModelError
 
 
@@ -42,9 +43,11 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D]; rotates the two halves of the last dim."""
+        """q: [T, H, D], k: [T, KVH, D]; rotates the two halves of the last dim (one native call for both)."""
+        if layer_ops.native(q) and k.dtype == torch.float32:
+            return torch.ops.tokenloom.rotary_embedding(positions, q, k, self.cos, self.sin)
         cos, sin = self._lookup(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return layer_ops.rotate_half(q, cos, sin), layer_ops.rotate_half(k, cos, sin)
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of these positions; every layer shares this module and the same positions tensor
@@ -53,9 +56,3 @@ class RotaryEmbedding(nn.Module):
             self._last = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
         return self._last[1], self._last[2]
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)

@@ -8,11 +8,11 @@ which alone samples; the padding columns are cut off there.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.distributed.parallel_state import all_reduce, gather_to_first, tp_group
 from tokenloom.model.layers.linear import Linear
+from tokenloom.model.layers.quantized_linear import embedding_lookup
 
 
 def _rows_per_rank(vocab_size: int, size: int) -> int:
@@ -44,12 +44,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return embedding_lookup(input_ids, self.weight)
         if input_ids.numel() and int(input_ids.max()) >= self.vocab_size:  # as F.embedding would at size 1
             raise IndexError(f"token id {int(input_ids.max())} is out of the vocabulary ({self.vocab_size})")
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding_lookup(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return all_reduce(out)
 

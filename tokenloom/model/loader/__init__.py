@@ -25,13 +25,15 @@ class LoadedModel:
     seconds: float
 
 
-def open_model_source(path: str, dtype: torch.dtype):
+def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
+    """The weights' source: an HF folder, a weight-cache entry (dense in `dtype`, or the repacked blocks when
+    `quantized`), or the GGUF file itself."""
     if os.path.isdir(path):
         from tokenloom.model.loader.safetensors_loader import HFModelFolder
         return HFModelFolder(path)
-    from tokenloom.model.loader.weight_cache import CachedWeights
+    from tokenloom.model.loader.weight_cache import QUANTIZED, CachedWeights
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
-    return CachedWeights.lookup(path, dtype) or GGUFModelFile(path)
+    return CachedWeights.lookup(path, QUANTIZED if quantized else dtype) or GGUFModelFile(path)
 
 
 def read_arch_config(model: str | None) -> ArchConfig:
@@ -39,10 +41,26 @@ def read_arch_config(model: str | None) -> ArchConfig:
     return open_model_source(resolve_model_path(model), torch.float32).arch_config
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedModel:
+def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF's quantized weights load as they are (the native kernels run on this CPU, float32
+    activations) rather than dequantized to dense float (the torch path, TOKENLOOM_KERNELS=off)."""
+    if device.type != "cpu" or dtype != torch.float32 or os.path.isdir(path):
+        return False
+    from tokenloom import kernels
+    return kernels.load()
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               quantized: bool | None = None) -> LoadedModel:
+    """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
-    source = open_model_source(path, dtype)
+    if quantized is None:
+        quantized = keeps_quantized(path, device, dtype)
+    from tokenloom.model.loader import weight_cache
+    from tokenloom.model.loader.gguf_loader import GGUFModelFile
+    cache_key = weight_cache.QUANTIZED if quantized else dtype
+    source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
     arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
     cls = model_class(arch.architecture)
@@ -50,14 +68,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
         net = cls(arch)
     net = net.to_empty(device=device).to(dtype)
     _reset_buffers(net, device)
-    from tokenloom.model.loader.gguf_loader import GGUFModelFile
+    from tokenloom.model.layers import quantized_linear
+    expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
+    if quantized:
+        quantized_linear.install_slots(net)
     fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = set()
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
-    for name, tensor in source.tensors(dtype):
+    if not quantized:
+        tensors = source.tensors(dtype)
+    elif isinstance(source, GGUFModelFile):
+        tensors = source.tensors(dtype, quantized=True)
+    else:
+        tensors = weight_cache.unflatten_quantized(source.tensors(dtype))
+    for name, tensor in tensors:
         net.load_weight(name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
@@ -66,17 +93,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     bar.close()
     if not seen:
         raise ValueError(f"{path}: no tensors found")
-    missing = sorted(net.checkpoint_names() - seen)
+    missing = sorted(expected - seen)
     if missing:  # the parameters they fill would be left as uninitialized memory
         from tokenloom.model.loader.gguf_loader import CorruptModelError
         raise CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): {', '.join(missing[:5])}"
                                 f"{', ...' if len(missing) > 5 else ''}")
+    if quantized:
+        quantized_linear.finalize_quantized(net, dtype)
     if fill_cache:
-        from tokenloom.model.loader import weight_cache
-        weight_cache.store(path, dtype, arch, loaded_tensors)
+        weight_cache.store(path, cache_key, arch, loaded_tensors)
     net.eval()
-    params = sum(p.numel() for p in net.parameters())
-    size = sum(p.numel() * p.element_size() for p in net.parameters())
+    packed = quantized_linear.quantized_weights(net)
+    params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)
+    size = sum(p.numel() * p.element_size() for p in net.parameters()) + sum(w.nbytes for w in packed)
     return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
 
 

@@ -1,4 +1,5 @@
-"""Read a GGUF file: metadata, architecture, and dequantized tensors with HF names."""
+"""Read a GGUF file: metadata, architecture, and tensors with HF names (dequantized, or repacked for the
+native kernels)."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,8 @@ import numpy as np
 import torch
 
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
+from tokenloom.model.layers.quantized_weight import QuantizedWeight
+from tokenloom.model.loader.gguf_repack import SUPPORTED, repack
 
 
 class CorruptModelError(ValueError):
@@ -74,10 +77,15 @@ class GGUFModelFile:
         field = self.reader.fields.get(key)
         return len(field.data) if field is not None else 0
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every tensor; with `quantized`, 2-D weights in a type the native kernels
+        multiply (gguf_repack.SUPPORTED) come as QuantizedWeight, repacked from their blocks."""
         from gguf import GGMLQuantizationType, quants
         cfg = self.arch_config
         for t in self.reader.tensors:
+            if quantized and t.tensor_type.name in SUPPORTED and len(t.shape) == 2:
+                yield self._repacked(t)
+                continue
             try:
                 if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     array = np.asarray(t.data)
@@ -97,6 +105,18 @@ class GGUFModelFile:
                 heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
                 tensor = _unpermute(tensor, heads)
             yield name, tensor.to(dtype)
+
+    def _repacked(self, t) -> tuple[str, QuantizedWeight]:
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        try:
+            weight = repack(t.tensor_type.name, t.data, rows, cols)
+        except Exception as exc:
+            raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
+        name = hf_name(t.name, self.arch)
+        if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+            heads = self.arch_config.num_heads if ".q_proj." in name else self.arch_config.num_kv_heads
+            weight = weight.index_rows(_unpermute(torch.arange(rows)[:, None], heads)[:, 0])
+        return name, weight
 
     @property
     def num_tensors(self) -> int:

@@ -1,4 +1,5 @@
-"""On-disk cache of a GGUF model's dequantized weights, so a warm start skips parsing and dequantizing.
+"""On-disk cache of a GGUF model's dequantized weights (or, with the native kernels, its weights repacked
+into their quantized form), so a warm start skips parsing, dequantizing and repacking.
 
 Entries live in `$TOKENLOOM_CACHE_DIR/weights` (default `~/.cache/tokenloom/weights`);
 `TOKENLOOM_WEIGHT_CACHE=0` turns it off. An entry is keyed by the file's content (its size and a
@@ -105,6 +106,42 @@ class CachedWeights:
                 yield name, f.get_tensor(name)
 
 
+QUANTIZED = "quantized"  # the entry key (in place of a dtype) of a model whose weights stay in blocks
+_PART = "#"  # a quantized weight is stored as <name>#<bits>.<block>.<qweight|scales|mins>
+
+
+def flatten_quantized(tensors: dict) -> dict[str, torch.Tensor]:
+    """Tensors and QuantizedWeights by name -> plain tensors by name, for safetensors."""
+    from tokenloom.model.layers.quantized_weight import QuantizedWeight
+    flat = {}
+    for name, t in tensors.items():
+        if isinstance(t, QuantizedWeight):
+            for part in ("qweight", "scales", "mins"):
+                flat[f"{name}{_PART}{t.bits}.{t.block_size}.{part}"] = getattr(t, part)
+        else:
+            flat[name] = t
+    return flat
+
+
+def unflatten_quantized(flat: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+    """The inverse of flatten_quantized, over a cache entry's tensors."""
+    from tokenloom.model.layers.quantized_weight import QuantizedWeight
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat:
+        if _PART not in key:
+            yield key, t
+            continue
+        name, _, rest = key.partition(_PART)
+        bits, block, part = rest.split(".")
+        got = parts.setdefault(f"{name}{_PART}{bits}.{block}", {})
+        got[part] = t
+        if len(got) == 3:
+            del parts[f"{name}{_PART}{bits}.{block}"]
+            yield name, QuantizedWeight(got["qweight"], got["scales"], got["mins"], int(bits), int(block))
+    if parts:
+        raise ValueError(f"incomplete quantized weights in the cache entry: {sorted(parts)[:3]}")
+
+
 def _touch(stem: Path) -> None:
     try:
         os.utime(f"{stem}.json")
@@ -112,11 +149,12 @@ def _touch(stem: Path) -> None:
         pass
 
 
-def store(path: str, dtype: torch.dtype, arch: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
+def store(path: str, dtype: torch.dtype | str, arch: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Write an entry atomically, then trim the folder to its bound; a failure (read-only home, full
-    disk) only costs the next start time."""
+    disk) only costs the next start time. `dtype` QUANTIZED: `tensors` may hold QuantizedWeights."""
     if not enabled():
         return
+    tensors = flatten_quantized(tensors)
     from safetensors.torch import save_file
     stem = entry_stem(path, dtype)
     try:

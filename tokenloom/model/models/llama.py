@@ -59,9 +59,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta):
+        """x: the previous layer's MLP output (the embeddings for the first layer, with residual None);
+        returns this layer's MLP output and the residual stream before it, to be added by the next norm
+        (one fused add-and-norm per boundary)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -73,10 +81,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 @register("LlamaForCausalLM")

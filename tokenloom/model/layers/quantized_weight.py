@@ -1,0 +1,209 @@
+"""A linear weight kept in quantized blocks, and the slot a layer loads its (sharded) pieces into.
+
+`QuantizedWeight` is the native kernels' form (tokenloom/kernels/quant.py): uint8 values, two a byte
+for 4-bit weights, with a float32 scale and min per block of 32 (16 for Q6_K): w = q*scale + min.
+GGUF blocks repack into it without changing a weight (tokenloom/model/loader/gguf_repack.py). It
+shards like a tensor: rows for column-parallel layers and the vocabulary, columns (whole blocks) for
+row-parallel ones; a column cut inside a block falls back to the dense slice.
+
+`QuantizedSlot` stands in for a layer's `weight` while the checkpoint loads: the parallel layers'
+`load` code narrows it and copies pieces into it as into a tensor, and `finalize` assembles the
+pieces (a merged QKV of Q4_K and Q6_K parts converts both, losslessly, to their common form).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor  # uint8 [N, K * bits / 8]
+    scales: torch.Tensor   # float32 [N, K / block_size]
+    mins: torch.Tensor     # float32 [N, K / block_size]
+    bits: int              # 4 or 8
+    block_size: int        # 32, or 16 for 8-bit
+    activations_int8: bool = False  # the W4A8 path (else exact: float32 activations)
+
+    is_mkldnn = False
+    dtype = torch.float32  # what it multiplies like
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * 8 // self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    @property
+    def data(self) -> QuantizedWeight:
+        return self
+
+    # ---- sharding --------------------------------------------------------------
+    def rows(self, start: int, size: int) -> QuantizedWeight:
+        return replace(self, qweight=self.qweight[start:start + size], scales=self.scales[start:start + size],
+                       mins=self.mins[start:start + size])
+
+    def index_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        return replace(self, qweight=self.qweight[index], scales=self.scales[index], mins=self.mins[index])
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight | torch.Tensor:
+        if dim == 0:
+            return self.rows(start, length)
+        if dim != 1:
+            raise IndexError(f"a weight has 2 dimensions, not {dim + 1}")
+        if start % self.block_size or length % self.block_size:  # not on block edges: the dense slice
+            return self.dequantize().narrow(1, start, length)
+        per = self.bits // 4  # half-bytes an element
+        b0, nb = start // self.block_size, length // self.block_size
+        return replace(self, qweight=self.qweight[:, start * per // 2:(start + length) * per // 2],
+                       scales=self.scales[:, b0:b0 + nb], mins=self.mins[:, b0:b0 + nb])
+
+    def __getitem__(self, rows: slice) -> QuantizedWeight:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("a quantized weight is indexed by a contiguous row slice")
+        start, stop, _ = rows.indices(self.shape[0])
+        return self.rows(start, max(0, stop - start))
+
+    # ---- forms -----------------------------------------------------------------
+    def unpacked(self) -> torch.Tensor:
+        """uint8 [N, K], one element a byte."""
+        from tokenloom.kernels.quant import unpacked
+        return unpacked(self.qweight, self.bits)
+
+    def in_form(self, bits: int, block_size: int) -> QuantizedWeight:
+        """The same weights as `bits`/`block_size` blocks (only widening: 4->8 bits, 32->16 blocks)."""
+        if (bits, block_size) == (self.bits, self.block_size):
+            return self
+        if bits < self.bits or block_size > self.block_size:
+            raise ValueError(f"cannot narrow {self.bits}-bit/{self.block_size} blocks to {bits}-bit/{block_size}")
+        q = self.unpacked() if bits == 8 else self.qweight
+        repeat = self.block_size // block_size
+        return replace(self, qweight=q.contiguous(), scales=self.scales.repeat_interleave(repeat, dim=1),
+                       mins=self.mins.repeat_interleave(repeat, dim=1), bits=bits, block_size=block_size)
+
+    def contiguous(self) -> QuantizedWeight:
+        return replace(self, qweight=self.qweight.contiguous(), scales=self.scales.contiguous(),
+                       mins=self.mins.contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from tokenloom.kernels.quant import dequantize
+        return dequantize(self.qweight, self.scales, self.mins, self.bits, self.block_size).to(dtype)
+
+    def to(self, target) -> QuantizedWeight | torch.Tensor:
+        """A device: this weight (CPU only); a dtype: the dense weight in it (the matmul-dtype modes)."""
+        if isinstance(target, torch.dtype):
+            return self.dequantize(target)
+        if torch.device(target).type != "cpu":
+            raise NotImplementedError("quantized weights run on the CPU kernels only")
+        return self
+
+    # ---- math ------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from tokenloom.kernels import quant
+        op = quant.quant_matmul_a8 if self.activations_int8 else quant.quant_matmul
+        out = op(x.float(), self.qweight, self.scales, self.mins, self.bits, self.block_size)
+        if bias is not None:
+            out.add_(bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows of ``ids`` (an embedding lookup), float32."""
+        return self.index_rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, self.shape[1])
+
+
+def common_form(weights: list[QuantizedWeight]) -> tuple[int, int]:
+    return max(w.bits for w in weights), min(w.block_size for w in weights)
+
+
+def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    bits, block = common_form(weights)
+    parts = [w.in_form(bits, block) for w in weights]
+    first = parts[0]
+    return replace(first, qweight=torch.cat([p.qweight for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                   mins=torch.cat([p.mins for p in parts]))
+
+
+class QuantizedSlot:
+    """A layer's weight [N, K] while loading: records (first row, piece) and assembles them at the end."""
+
+    def __init__(self, shape: torch.Size | tuple[int, int]):
+        self.shape = torch.Size(shape)
+        self.pieces: list[tuple[int, QuantizedWeight | torch.Tensor]] = []
+        self.zero_filled = False
+
+    @property
+    def data(self) -> QuantizedSlot:
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> _SlotRows:
+        if dim != 0:
+            raise IndexError("a weight slot is filled by rows")
+        return _SlotRows(self, start, length)
+
+    def __getitem__(self, rows: slice) -> _SlotRows:
+        start, stop, _ = rows.indices(self.shape[0])
+        return _SlotRows(self, start, max(0, stop - start))
+
+    def zero_(self) -> QuantizedSlot:
+        """Rows no piece fills are zero (the vocabulary padding of the last tensor-parallel rank)."""
+        self.zero_filled = True
+        return self
+
+    def copy_(self, src) -> QuantizedSlot:
+        self._put(0, src, self.shape[0])
+        return self
+
+    def _put(self, start: int, src, rows: int) -> None:
+        if tuple(src.shape) != (rows, self.shape[1]):
+            raise ValueError(f"shape mismatch: piece {tuple(src.shape)}, slot rows {rows} x {self.shape[1]}")
+        self.pieces.append((start, src))
+
+    def finalize(self, what: str) -> QuantizedWeight | torch.Tensor:
+        """The assembled weight: quantized when every piece is, else dense float32."""
+        pieces = sorted(self.pieces, key=lambda p: p[0])
+        filled = 0
+        ordered = []
+        for start, piece in pieces:
+            if start != filled:
+                if start < filled or not self.zero_filled:
+                    raise ValueError(f"{what}: rows {filled}..{start} not loaded (or loaded twice)")
+                ordered.append(_zeros_like_piece(piece, start - filled))
+            ordered.append(piece)
+            filled = start + piece.shape[0]
+        if filled != self.shape[0]:
+            if not self.zero_filled or not ordered:
+                raise ValueError(f"{what}: rows {filled}..{self.shape[0]} not loaded")
+            ordered.append(_zeros_like_piece(ordered[-1], self.shape[0] - filled))
+        if all(isinstance(p, QuantizedWeight) for p in ordered):
+            return cat_rows(ordered).contiguous()
+        dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in ordered]
+        return torch.cat(dense).contiguous()
+
+
+class _SlotRows:
+    def __init__(self, slot: QuantizedSlot, start: int, rows: int):
+        self.slot, self.start = slot, start
+        self.shape = torch.Size((rows, slot.shape[1]))
+
+    def copy_(self, src) -> _SlotRows:
+        self.slot._put(self.start, src, self.shape[0])
+        return self
+
+    def __getitem__(self, rows: slice) -> _SlotRows:
+        start, stop, _ = rows.indices(self.shape[0])
+        return _SlotRows(self.slot, self.start + start, max(0, stop - start))
+
+    def zero_(self) -> _SlotRows:
+        self.slot.zero_filled = True
+        return self
+
+
+def _zeros_like_piece(piece, rows: int):
+    if isinstance(piece, QuantizedWeight):
+        return replace(piece, qweight=piece.qweight.new_zeros((rows, piece.qweight.shape[1])),
+                       scales=piece.scales.new_zeros((rows, piece.scales.shape[1])),
+                       mins=piece.mins.new_zeros((rows, piece.mins.shape[1])))
+    return piece.new_zeros((rows, piece.shape[1]))
