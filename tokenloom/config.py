@@ -117,8 +117,18 @@ class ParallelConfig:
                                                                  int))
     master_addr: str = field(default_factory=lambda: _torchrun_env("MASTER_ADDR", "127.0.0.1"))
     master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))  # None: a free port
+    # Engine replicas behind one API server (engine/dp_client.py); each runs its own TP group.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1 (got {self.data_parallel_size})")
+        _check(self.data_parallel_size == 1 or self.nnodes == 1,
+               f"data_parallel_size {self.data_parallel_size} runs its replicas on one node; --nnodes "
+               f"{self.nnodes} is not supported with it (run one server per node behind `tokenloom router`)")
+        _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1 or self.master_port is None,
+               f"data_parallel_size {self.data_parallel_size} with tensor_parallel_size "
+               f"{self.tensor_parallel_size}: each replica's TP group picks its own free port, so --master-port "
+               f"cannot be set")
         _check(self.tensor_parallel_size >= 1,
                f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
         _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
@@ -323,6 +333,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
                    default=env_default("tensor_parallel_size", None, int),
                    help="ranks that share the model (tensor parallel; default 1)")
+    g.add_argument("-dp", "--data-parallel-size", dest="data_parallel_size", type=int,
+                   default=env_default("data_parallel_size", None, int),
+                   help="engine replicas behind this server (data parallel; each its own TP group; default 1)")
     opt("distributed_executor_backend", str, "uni (the worker in the engine process; size 1) | mp (one process "
         "per rank); default uni at size 1, mp above")
     opt("nnodes", int, "machines the ranks span (default 1, or torchrun's NNODES)")

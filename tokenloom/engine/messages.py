@@ -20,6 +20,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []
     eos_token_ids: list[int] = []
     cache_salt: str | None = None
+    # Data parallel: the engine replica that must run it (None: the frontend chooses; dp_client.py).
+    data_parallel_rank: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -303,13 +303,15 @@ class OpenAIServing:
             raise BadRequestError(str(e), code="invalid_value") from None
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int, cache_salt: str | None, prompt_param: str = "prompt"):
+                       priority: int, cache_salt: str | None, prompt_param: str = "prompt",
+                       data_parallel_rank: int | None = None):
         """Tokenize and validate one prompt; input errors become 400 naming the field."""
         from tokenloom.engine.input_processor import RequestValidationError
 
         try:
             return self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                              arrival_time=time.time(), cache_salt=cache_salt)
+                                              arrival_time=time.time(), cache_salt=cache_salt,
+                                              data_parallel_rank=data_parallel_rank)
         except RequestValidationError as e:
             param = e.param
             cause = e.__cause__ or e.__context__
