@@ -231,6 +231,10 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# KV connectors (prefill/decode disaggregation, offload tier): their own module, which needs ConfigError above.
+from tokenloom.kv_transfer.config import KVOffloadConfig, KVTransferConfig  # noqa: E402
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -244,9 +248,17 @@ class EngineConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = "hermes"
     speculative_config: SpeculativeConfig | None = None
+    # KV transfer (vLLM's --kv-transfer-config), or FastDeploy's alias prefill | decode | mixed.
+    kv_transfer_config: KVTransferConfig | None = None
+    splitwise_role: str | None = None
+    # KV offload tier: evicted prefix-cache blocks to host memory, or to kv_offloading_path (kept across restarts).
+    kv_offloading_backend: str | None = None
+    kv_offloading_size: float = 1.0  # GiB
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_kv_connectors()
         if self.reasoning_parser is not None:
             from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
@@ -255,6 +267,31 @@ class EngineConfig:
             from tokenloom.structured.tool_parsers import TOOL_PARSERS
             _check(self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser must be one of "
                    f"{', '.join(sorted(TOOL_PARSERS))} (got {self.tool_call_parser!r})")
+
+    def _check_kv_connectors(self) -> None:
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.splitwise_role is not None:
+            by_role = KVTransferConfig.from_splitwise_role(self.splitwise_role)
+            if self.kv_transfer_config is None:
+                self.kv_transfer_config = by_role
+            else:
+                _check(by_role is not None and by_role.kv_role == self.kv_transfer_config.kv_role,
+                       f"splitwise_role {self.splitwise_role!r} contradicts kv_role "
+                       f"{self.kv_transfer_config.kv_role!r} in kv_transfer_config")
+        self.kv_offload_config  # validates
+        _check(self.kv_transfer_config is None or self.kv_offloading_backend is None,
+               "kv_transfer_config and kv_offloading_backend cannot be combined yet (one KV connector per engine)")
+        _check((self.kv_transfer_config is None and self.kv_offloading_backend is None)
+               or self.parallel.tensor_parallel_size == 1,
+               "KV transfer and offload run at tensor_parallel_size 1 only (each rank would need its own transfer)")
+        _check(self.kv_offloading_backend is None or self.cache.enable_prefix_caching,
+               "kv_offloading_backend needs prefix caching (offloaded blocks are found by their prefix hash)")
+
+    @property
+    def kv_offload_config(self) -> KVOffloadConfig | None:
+        if self.kv_offloading_backend is None:
+            return None
+        return KVOffloadConfig(self.kv_offloading_backend, self.kv_offloading_size, self.kv_offloading_path)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -282,6 +319,10 @@ class EngineConfig:
                     kwargs[f.name] = getattr(ns, f.name)
         if getattr(ns, "speculative_config", None):
             kwargs["speculative_config"] = ns.speculative_config
+        for name in ("kv_transfer_config", "splitwise_role", "kv_offloading_backend", "kv_offloading_size",
+                     "kv_offloading_path"):
+            if getattr(ns, name, None) is not None:
+                kwargs[name] = getattr(ns, name)
         for name in ("reasoning_parser", "tool_call_parser"):
             if getattr(ns, name, None) is not None:
                 kwargs[name] = None if ns.__dict__[name] == "none" else ns.__dict__[name]
@@ -350,6 +391,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")
     opt("speculative_config", str, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}')
+    opt("kv_transfer_config", str, 'KV transfer for prefill/decode disaggregation, as JSON: {"kv_connector": '
+        '"ZmqConnector", "kv_role": "kv_producer|kv_consumer|kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, '
+        '"kv_transport": "tcp|ipc", "kv_load_failure_policy": "recompute|fail", "kv_lease_s": 60, '
+        '"kv_transfer_timeout_s": 10}')
+    opt("splitwise_role", str, "prefill | decode | mixed: FastDeploy's alias for kv_role kv_producer | kv_consumer | "
+        "no transfer")
+    opt("kv_offloading_backend", str, "native: save evicted prefix-cache blocks to host memory (or to "
+        "--kv-offloading-path) and load them back on a later hit")
+    opt("kv_offloading_size", float, "GiB the offload tier may hold (default 1)")
+    opt("kv_offloading_path", str, "directory for the offload tier (blocks survive a restart); default host memory")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

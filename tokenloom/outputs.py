@@ -46,3 +46,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # a prefill instance's answer for its decoder (PD)

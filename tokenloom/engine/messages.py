@@ -38,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None  # a finished remote-decode prefill: what its decoder needs
     # Timestamps (time.time()) for metrics.
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0

@@ -26,6 +26,7 @@ class _RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,6 +80,8 @@ class OutputProcessor:
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [None if p is None else self._logprobs(p) for p in out.prompt_logprobs]
         state.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         seq = state.sequences[out.index]
         if seq.output.finished:
             return
@@ -119,4 +122,5 @@ class OutputProcessor:
             seqs = seqs[: params.n]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, seqs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-                             num_cached_tokens=state.num_cached_tokens, metrics=dict(state.metrics))
+                             num_cached_tokens=state.num_cached_tokens, metrics=dict(state.metrics),
+                             kv_transfer_params=state.kv_transfer_params)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.kv_transfer.metadata import KVWorkerInfo
+
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
     model_path: str
@@ -18,6 +20,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     tensor_parallel_size: int
     summary: str  # one line for the log: the KV cache and how many full-length requests fit
+    kv_connector: KVWorkerInfo | None = None  # the worker half of a KV connector, when one is configured
 
     @property
     def full_length_requests(self) -> int:

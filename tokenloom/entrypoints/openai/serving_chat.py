@@ -139,6 +139,8 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = list(final.prompt_token_ids)
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs(final)
+        if final.kv_transfer_params is not None:  # a prefill instance's answer (PD)
+            body["kv_transfer_params"] = final.kv_transfer_params
         return body
 
     # ------------------------------------------------------------------ streamed

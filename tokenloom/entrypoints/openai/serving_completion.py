@@ -111,9 +111,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.prompt_logprobs(ro)
                 choices.append(choice)
-        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "system_fingerprint": self.system_fingerprint, "choices": choices,
                 "usage": self.usage(prompt_tokens, generated, cached)}
+        if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's answer (PD)
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
+        return body
 
     # ------------------------------------------------------------------ streamed
 

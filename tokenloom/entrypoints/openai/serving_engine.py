@@ -294,6 +294,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            kv_transfer_params=request.kv_transfer_params,
         )
         try:
             return SamplingParams(**kwargs)
