@@ -330,8 +330,13 @@ class AsyncLLM:
         """Data parallel: per replica, alive or why not (None with a single engine)."""
         if not isinstance(self.client, DPEngineClient):
             return None
-        return [{"engine": rank, "alive": r.is_alive, **({} if r.is_alive else {"reason": r.dead_reason})}
-                for rank, r in enumerate(self.client.replicas)]
+        out = []
+        for rank, r in enumerate(self.client.replicas):
+            serving = self.client.is_serving(rank)
+            reason = None if serving else ("restarting" if r.is_alive else r.dead_reason)
+            out.append({"engine": rank, "alive": serving, "pid": r.engine_pid,
+                        **({} if reason is None else {"reason": reason})})
+        return out
 
     def update_engine_metrics(self) -> None:
         """Refresh the per-engine gauges (engine state and health) before /metrics renders."""
@@ -340,7 +345,8 @@ class AsyncLLM:
         if isinstance(self.client, DPEngineClient):
             for rank, replica in enumerate(self.client.replicas):
                 self.metrics.observe_engine_stats(replica.last_stats, rank)
-                self.metrics.engine_healthy_of(rank).set(1 if replica.is_alive and not self.restarting else 0)
+                serving = self.client.is_serving(rank) and not self.restarting
+                self.metrics.engine_healthy_of(rank).set(1 if serving else 0)
         else:
             self.metrics.observe_engine_stats(self.engine_stats)
             self.metrics.engine_healthy.set(1 if self.is_healthy else 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -56,6 +57,17 @@ def load_score(inflight: int, stats: dict[str, Any]) -> float:
     waiting = float(stats.get("num_waiting", 0) or 0)
     usage = float(stats.get("kv_cache_usage", 0.0) or 0.0)
     return inflight + WAITING_WEIGHT * waiting + KV_USAGE_WEIGHT * usage
+
+
+def replica_env(dp: int, tp: int) -> dict[str, str]:
+    """The environment of a replica's engine: unless --threads (OMP_NUM_THREADS) is set, each of the
+    dp x tp ranks computes with its share of the cores. Oversubscribed OpenMP threads spin waiting for
+    a core: on this 2-core box a decode with 2 threads per process beside another busy process fell to
+    ~1 token/s (PERFORMANCE.md, speculative decoding)."""
+    env = dict(os.environ)
+    if not env.get("OMP_NUM_THREADS", "").isdigit():
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // (dp * tp)))
+    return env
 
 
 class PrefixMap:
@@ -153,6 +165,7 @@ class DPEngineClient:
         self._seqs_left: dict[str, int] = {}  # open request id -> sequences not finished yet
         self._inflight = [0] * size
         self.dead_reason: str | None = None
+        self._starting: set[int] = set()  # replicas being restarted (not routed to until ready)
         self._closing = False
         self.requests_served = [0] * size  # requests routed to each replica since it started
 
@@ -160,7 +173,9 @@ class DPEngineClient:
         holder: list[EngineCoreClient] = []
         client = EngineCoreClient(self.config, on_outputs=self._forward_outputs,
                                   on_dead=lambda reason: self._replica_dead(holder[0], rank, reason),
-                                  on_stats=lambda stats: self._forward_stats(stats, rank), **self._client_args)
+                                  on_stats=lambda stats: self._forward_stats(stats, rank),
+                                  env=replica_env(self.size, self.config.parallel.tensor_parallel_size),
+                                  **self._client_args)
         holder.append(client)
         return client
 
@@ -171,8 +186,12 @@ class DPEngineClient:
         """True while at least one replica serves."""
         return self.dead_reason is None and any(r.is_alive for r in self.replicas)
 
+    def is_serving(self, rank: int) -> bool:
+        """Replica `rank` is up and has answered Ready (a restarting one is not routed to)."""
+        return self.replicas[rank].is_alive and rank not in self._starting
+
     def alive_ranks(self) -> list[int]:
-        return [rank for rank, r in enumerate(self.replicas) if r.is_alive]
+        return [rank for rank in range(self.size) if self.is_serving(rank)]
 
     @property
     def last_stats(self) -> dict[str, Any]:
@@ -216,7 +235,11 @@ class DPEngineClient:
         self.replicas[rank] = self._new_replica(rank)
         self.router.prefix.forget(rank)
         self._inflight[rank] = 0
-        await self.replicas[rank].start(startup_timeout=startup_timeout)
+        self._starting.add(rank)
+        try:
+            await self.replicas[rank].start(startup_timeout=startup_timeout)
+        finally:
+            self._starting.discard(rank)
         self.dead_reason = None
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -304,8 +327,8 @@ class DPEngineClient:
             self.on_stats(stats, rank)
 
     def _replica_dead(self, client: EngineCoreClient, rank: int, reason: str) -> None:
-        if client is not self.replicas[rank] or self._closing:
-            return  # a replaced replica, or all are being stopped
+        if client is not self.replicas[rank] or self._closing or not client.info:
+            return  # a replaced replica, all being stopped, or a restart that failed (its caller retries)
         ids = [rid for rid, r in self._owner.items() if r == rank]
         for rid in ids:
             self._release(rid)

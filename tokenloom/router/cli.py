@@ -12,7 +12,7 @@ import logging
 import socket
 import sys
 
-from tokenloom.config import ConfigError, env_default
+from tokenloom.config import ConfigError
 from tokenloom.router.app import DEFAULT_MAX_PAYLOAD, RouterSettings, build_router_app
 from tokenloom.router.policy import POLICIES
 from tokenloom.router.workers import HealthSettings
@@ -22,8 +22,7 @@ DEFAULT_PORT = 30000  # SGLang's router default; `tokenloom serve` takes 8000
 
 def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     def opt(name: str, kind, default, help: str, **kw) -> None:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                            default=env_default("router_" + name, default, kind),
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
                             help=help + (f" (default {default})" if default is not None else ""), **kw)
 
     parser.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
