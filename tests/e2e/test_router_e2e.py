@@ -76,7 +76,10 @@ def workers():
 
     def start() -> None:
         try:
-            started.append(ServerProcess("--num-blocks", "128", "--max-num-seqs", "8"))
+            # A long heartbeat timeout: the health-check test freezes a server, and its engine must not
+            # take the frozen frontend's silence for its own death.
+            started.append(ServerProcess("--num-blocks", "128", "--max-num-seqs", "8",
+                                         "--engine-heartbeat-timeout", "300"))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -92,6 +95,14 @@ def workers():
     finally:
         for srv in started:
             srv.kill()
+
+
+def _sample(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """The value of the sample of `name` with these labels (in whatever order /metrics prints them)."""
+    for key, value in metrics.items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    raise KeyError(f"{name} {labels} not in {sorted(metrics)}")
 
 
 def _events(client_url: str, body: dict) -> list:
@@ -114,38 +125,29 @@ def _content(events: list[str]) -> list:
 
 def test_a_stream_through_the_router_equals_the_stream_from_the_worker(workers):
     a, b = workers
-    body = {"prompt": "Write a list of fruits:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "Write a list of fruits:", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with RouterProcess("--worker-urls", a.url, b.url, "--policy", "round_robin") as router:
         through = [_events(router.url, body) for _ in range(2)]  # one on each worker
         direct = _events(a.url, body)
         assert _content(through[0]) == _content(through[1]) == _content(direct)
-        assert len(direct) > 20  # token by token, not one block
+        assert len(direct) > 8  # token by token, not one block
         m = router.metrics()
-        assert m[f'tokenloom_router_requests_total{{worker="{a.url}",status="200"}}'] == 1
-        assert m[f'tokenloom_router_requests_total{{worker="{b.url}",status="200"}}'] == 1
+        assert _sample(m, "tokenloom_router_requests_total", worker=a.url, status="200") == 1
+        assert _sample(m, "tokenloom_router_requests_total", worker=b.url, status="200") == 1
 
 
 def _prefix_hits(srvs) -> float:
     return sum(metric_values(s.get("/metrics").text)["tokenloom:prefix_cache_hits_total"] for s in srvs)
 
 
-def _shared_prefix_load(router_url: str) -> float:
-    """Two long system prompts, each asked two pairs of questions (P1 P1 P2 P2 P1 P1 P2 P2); mean TTFT."""
-    prefixes = [f"System prompt number {k}: you are an expert on {topic}; answer briefly and precisely, citing "
-                f"one fact. " * 4 for k, topic in ((1, "astronomy"), (2, "cooking"))]
-    ttfts = []
-    for i in range(8):
-        prompt = prefixes[(i // 2) % 2] + f"Question {i}: tell me one thing."
-        t0 = time.perf_counter()
-        with httpx.stream("POST", router_url + "/v1/completions", timeout=120,
-                          json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    ttfts.append(time.perf_counter() - t0)
-                    break
-            for _ in r.iter_lines():
-                pass
-    return sum(ttfts) / len(ttfts)
+def _shared_prefix_load(router_url: str) -> None:
+    """Two system prompts of ~3 KV blocks, each asked twice in a row (P1 P1 P2 P2), one token each."""
+    prefixes = [f"System prompt {k}: you are an expert on {topic}; answer briefly and precisely. " * 3
+                for k, topic in ((1, "astronomy"), (2, "cooking"))]
+    for i in range(4):
+        r = httpx.post(router_url + "/v1/completions", timeout=120,
+                       json={"prompt": prefixes[i // 2] + f"Question {i}: one fact?", "max_tokens": 1})
+        assert r.status_code == 200, r.text
 
 
 def test_cache_aware_gets_more_prefix_hits_than_round_robin(workers):
@@ -157,8 +159,9 @@ def test_cache_aware_gets_more_prefix_hits_than_round_robin(workers):
         with RouterProcess("--worker-urls", *[w.url for w in workers], "--policy", policy) as router:
             _shared_prefix_load(router.url)
         hits[policy] = _prefix_hits(workers) - before
-    # round_robin sends each prefix to both workers (2 misses per prefix), cache_aware to one (1 miss).
-    assert hits["cache_aware"] > hits["round_robin"] > 0, hits
+    # round_robin sends the second request of each pair to the other worker (a miss), cache_aware to
+    # the worker that ran the first (a hit on the prefix's full blocks).
+    assert hits["round_robin"] == 0 and hits["cache_aware"] >= 2 * 32, hits
 
 
 def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers):
@@ -172,9 +175,9 @@ def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers)
             while router.workers()[b.url] and time.time() < deadline:
                 time.sleep(0.1)
             assert router.workers() == {a.url: True, b.url: False}
-            # Every request now goes to the live worker, none waits on the frozen one.
-            for _ in range(3):
-                r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+            # Requests now go to the live worker, none waits on the frozen one.
+            for _ in range(2):
+                r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
                 assert r.status_code == 200
         finally:
             os.kill(b.pid, signal.SIGCONT)
@@ -182,7 +185,7 @@ def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers)
         while not router.workers()[b.url] and time.time() < deadline:
             time.sleep(0.1)
         assert router.workers() == {a.url: True, b.url: True}
-        assert router.metrics()[f'tokenloom_router_requests_total{{worker="{a.url}",status="200"}}'] == 3
+        assert _sample(router.metrics(), "tokenloom_router_requests_total", worker=a.url, status="200") == 2
 
 
 def test_a_request_that_did_not_start_is_retried_on_another_worker(workers):
@@ -190,7 +193,7 @@ def test_a_request_that_did_not_start_is_retried_on_another_worker(workers):
     with RouterProcess("--worker-urls", dead, workers[0].url, "--policy", "round_robin") as router:
         r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
-        assert router.metrics()[f'tokenloom_router_retries_total{{worker="{dead}"}}'] == 1
+        assert _sample(router.metrics(), "tokenloom_router_retries_total", worker=dead) == 1
 
 
 def test_a_body_over_the_limit_is_refused_before_any_worker_sees_it(workers):
@@ -224,7 +227,7 @@ def test_a_stream_cut_by_its_worker_is_not_retried(workers):
             time.sleep(0.05)
         b.kill()
         t.join(30)
-        assert got["ended"] != "cleanly" and got["events"] >= 3
+        assert not t.is_alive() and got["ended"] != "cleanly" and got["events"] >= 3, got
         m = router.metrics()
         assert not any(k.startswith("tokenloom_router_retries_total") for k in m), m
         assert not any(a.url in k for k in m if k.startswith("tokenloom_router_requests_total"))

@@ -59,6 +59,10 @@ def load_score(inflight: int, stats: dict[str, Any]) -> float:
     return inflight + WAITING_WEIGHT * waiting + KV_USAGE_WEIGHT * usage
 
 
+class ReplicaUnavailableError(RuntimeError):
+    """The replica a request is pinned to (data_parallel_rank) is down or restarting; the others serve."""
+
+
 def replica_env(dp: int, tp: int) -> dict[str, str]:
     """The environment of a replica's engine: unless --threads (OMP_NUM_THREADS) is set, each of the
     dp x tp ranks computes with its share of the cores. Oversubscribed OpenMP threads spin waiting for
@@ -258,7 +262,8 @@ class DPEngineClient:
             raise ValueError(f"data_parallel_rank {pinned} is out of range (this server runs {self.size} "
                              f"replicas: 0..{self.size - 1})")
         if pinned is not None and pinned not in live:
-            raise EngineDeadError(f"engine replica {pinned} is not running: {self.replicas[pinned].dead_reason}")
+            state = "restarting" if pinned in self._starting else self.replicas[pinned].dead_reason
+            raise ReplicaUnavailableError(f"engine replica {pinned} (data_parallel_rank) is not serving: {state}")
         if not live:
             raise EngineDeadError(self.dead_reason or "no engine replica is running")
         scores = {rank: load_score(self._inflight[rank], self.replicas[rank].last_stats) for rank in live}

@@ -123,6 +123,7 @@ async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str) 
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per health check
     settings = settings_from_args(args)
     try:
         sock = _bind(args.host, args.port)

@@ -1,10 +1,12 @@
 """The router's own /metrics (prometheus-client, its own registry), labelled by worker URL."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenloom.router.workers import WorkerPool
+
+disable_created_metrics()  # no `*_created` series beside every counter (as the server's /metrics)
 
 PREFIX = "tokenloom_router_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)

@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 
 from tokenloom.engine.async_llm import (AsyncLLM, DuplicateRequestIdError, EngineDeadError, RequestFailedError,
                                        RequestTimeoutError)
+from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
                                                  ServiceUnavailableError, error_body)
 from tokenloom.entrypoints.openai.protocol import SamplingFields
@@ -118,6 +119,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, ReplicaUnavailableError):
+        return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
     if isinstance(exc, DuplicateRequestIdError):
         return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
     if isinstance(exc, RequestFailedError):
