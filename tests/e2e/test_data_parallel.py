@@ -25,7 +25,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--data-parallel-size", "2", "--restart-engine", "--num-blocks", "128")
+    srv = ServerProcess("--data-parallel-size", "2", "--restart-engine", "--num-blocks", "128", startup_timeout=600)
     try:
         yield srv
     finally:

@@ -25,7 +25,6 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "draft-model speculation is not supported yet; n-gram speculation is --speculative-config "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported",
-    ("--data-parallel-size", "-dp"): "data parallelism is not supported; run one server per device",
     ("--cpu-offload-gb",): "CPU offload of weights is not supported",
     ("--swap-space",): "KV-cache swapping is not supported (preempted requests are recomputed)",
     ("--tokenizer",): "a separate tokenizer is not supported: the tokenizer comes with the model",
