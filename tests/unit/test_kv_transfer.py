@@ -138,3 +138,11 @@ def test_the_cli_flags_reach_the_engine_config():
                             "--kv-offloading-path", "/tmp/kv"])
     off = EngineConfig.from_args(ns).kv_offload_config
     assert (off.backend, off.size_gib, off.path) == ("native", 0.5, "/tmp/kv")
+
+
+def test_the_prefill_request_asks_for_one_token_unstreamed_and_remote_decode():
+    from tokenloom.router.pd import prefill_body
+    body = {"prompt": "x", "max_tokens": 50, "min_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "min_tokens": 1, "stream": False,
+                                  "kv_transfer_params": {"do_remote_decode": True}}
+    assert body["max_tokens"] == 50  # the decoder gets the original

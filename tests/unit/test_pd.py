@@ -196,3 +196,15 @@ def test_a_prefill_only_instance_refuses_remote_prefill_params(producer):
     params = {"do_remote_prefill": True}
     with pytest.raises(ValueError, match="not a KV consumer"):
         producer.add_request(make_request("d", PROMPTS[1], greedy_params(4, kv_transfer_params=params)))
+
+
+def test_a_decoder_pulls_only_what_its_own_prefix_cache_lacks(producer, consumer, mixed_outputs):
+    prompt = PROMPTS[0]  # 37 tokens: blocks of 16, 16 and 5
+    consumer.add_request(make_request("warm", prompt[:33], greedy_params(1)))
+    drive(consumer)  # the decoder now caches the first two blocks
+    hits_before = consumer.stats()["prefix_cache_hits"]
+    params = prefill(producer, "p", prompt)
+    outs = decode(consumer, "d", prompt, params)
+    assert tokens(outs) == mixed_outputs[0]
+    assert consumer.stats()["prefix_cache_hits"] - hits_before == 32
+    assert outs[-1].num_cached_tokens == len(prompt)

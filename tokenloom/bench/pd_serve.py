@@ -36,7 +36,12 @@ async def one(client: httpx.AsyncClient, body: dict, mixed: str | None, prefill:
     stamps = []
     try:
         async for line in response.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server answered an error: {chunk['error']}")
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
     finally:
         await response.aclose()

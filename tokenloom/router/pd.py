@@ -30,6 +30,8 @@ def prefill_body(body: dict) -> dict:
     out.update(max_tokens=1, stream=False, kv_transfer_params=DO_REMOTE_DECODE)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if out.get("min_tokens"):  # the first token still may not be an end of sequence; more cannot fit
+        out["min_tokens"] = 1
     return out
 
 
