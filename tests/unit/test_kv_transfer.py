@@ -146,3 +146,18 @@ def test_the_prefill_request_asks_for_one_token_unstreamed_and_remote_decode():
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "min_tokens": 1, "stream": False,
                                   "kv_transfer_params": {"do_remote_decode": True}}
     assert body["max_tokens"] == 50  # the decoder gets the original
+
+
+def test_connector_instructions_and_reports_cross_the_worker_process_boundary():
+    from tokenloom.executor import messages
+    from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+    from tokenloom.kv_transfer.metadata import (BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput,
+                                                Publish, RemoteLoad)
+    meta = KVConnectorMetadata(remote_loads=[RemoteLoad("k", "tcp://127.0.0.1:5", "t", 1, [4, 5])],
+                               publish=[Publish("k2", "t2", 37)], release=["t3"], poll=True,
+                               saves=[BlockSave(3, "n1")], drops=["n2"], loads=[BlockLoad("k", 9, "n3")])
+    step = SchedulerOutput(step_id=3, kv_connector=meta)
+    assert step  # a step with connector work runs even without tokens
+    assert messages.decode_input(messages.encode(messages.ExecuteModel(step))).step.kv_connector == meta
+    done = messages.StepDone(output=ModelRunnerOutput(kv_connector=KVConnectorOutput(sent=["t"], failed={"k": "x"})))
+    assert messages.decode_output(messages.encode(done)).output.kv_connector.failed == {"k": "x"}

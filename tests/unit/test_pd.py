@@ -208,3 +208,19 @@ def test_a_decoder_pulls_only_what_its_own_prefix_cache_lacks(producer, consumer
     assert tokens(outs) == mixed_outputs[0]
     assert consumer.stats()["prefix_cache_hits"] - hits_before == 32
     assert outs[-1].num_cached_tokens == len(prompt)
+
+
+@pytest.mark.slow
+def test_1p1d_with_each_worker_in_its_own_process(make_core, mixed_outputs):
+    """The connector's instructions and reports cross the executor's process boundary (mp executor)."""
+    producer = make_core("llama", splitwise_role="prefill", distributed_executor_backend="mp")
+    consumer = make_core("llama", splitwise_role="decode", distributed_executor_backend="mp")
+    try:
+        params = prefill(producer, "p", PROMPTS[0])
+        outs = decode(consumer, "d", PROMPTS[0], params)
+        assert tokens(outs) == mixed_outputs[0] and outs[-1].num_cached_tokens == len(PROMPTS[0])
+        producer.step()
+        assert producer.kv_manager.pool.num_used == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
