@@ -224,3 +224,14 @@ def test_1p1d_with_each_worker_in_its_own_process(make_core, mixed_outputs):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_a_first_token_that_ends_the_request_needs_no_transfer(consumer):
+    from tokenloom.sampling_params import SamplingParams
+    params = {"do_remote_prefill": True, "remote_address": "tcp://127.0.0.1:9", "remote_transfer_id": "t",
+              "remote_num_tokens": len(PROMPTS[2]), "first_token_id": 2}  # 2: the model's end of sequence
+    consumer.add_request(make_request("d", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8,
+                                                                      kv_transfer_params=params)))
+    outs = drive(consumer)["d"]
+    assert [o.new_token_ids for o in outs] == [[2]] and outs[0].finish_reason == "stop"
+    assert consumer.counters["steps"] == 0
