@@ -25,7 +25,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--data-parallel-size", "2", "--restart-engine", "--num-blocks", "128", startup_timeout=600)
+    # No step timeout: on a loaded machine a slow step must not pass for a hung one (the test kills a replica).
+    srv = ServerProcess("--data-parallel-size", "2", "--restart-engine", "--num-blocks", "128",
+                        "--engine-step-timeout", "0", startup_timeout=600)
     try:
         yield srv
     finally:

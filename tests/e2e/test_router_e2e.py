@@ -79,7 +79,8 @@ def workers():
             # A long heartbeat timeout: the health-check test freezes a server, and its engine must not
             # take the frozen frontend's silence for its own death.
             started.append(ServerProcess("--num-blocks", "128", "--max-num-seqs", "8",
-                                         "--engine-heartbeat-timeout", "300", startup_timeout=600))
+                                         "--engine-heartbeat-timeout", "300", "--engine-step-timeout", "0",
+                                         startup_timeout=600))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
