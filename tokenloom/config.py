@@ -138,8 +138,18 @@ class ParallelConfig:
     # (tokenloom.distributed.expert_parallel); placement linear | round_robin (None: linear).
     enable_expert_parallel: bool = False
     expert_placement_strategy: str | None = None
+    # Engine replicas behind one API server (engine/dp_client.py); each runs its own TP group.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1 (got {self.data_parallel_size})")
+        _check(self.data_parallel_size == 1 or self.nnodes == 1,
+               f"data_parallel_size {self.data_parallel_size} runs its replicas on one node; --nnodes "
+               f"{self.nnodes} is not supported with it (run one server per node behind `tokenloom router`)")
+        _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1 or self.master_port is None,
+               f"data_parallel_size {self.data_parallel_size} with tensor_parallel_size "
+               f"{self.tensor_parallel_size}: each replica's TP group picks its own free port, so --master-port "
+               f"cannot be set")
         _check(self.tensor_parallel_size >= 1,
                f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
         _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
@@ -246,6 +256,10 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# KV connectors (prefill/decode disaggregation, offload tier): their own module, which needs ConfigError above.
+from tokenloom.kv_transfer.config import KVOffloadConfig, KVTransferConfig  # noqa: E402
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -259,6 +273,13 @@ class EngineConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = "hermes"
     speculative_config: SpeculativeConfig | None = None
+    # KV transfer (vLLM's --kv-transfer-config), or FastDeploy's alias prefill | decode | mixed.
+    kv_transfer_config: KVTransferConfig | None = None
+    splitwise_role: str | None = None
+    # KV offload tier: evicted prefix-cache blocks to host memory, or to kv_offloading_path (kept across restarts).
+    kv_offloading_backend: str | None = None
+    kv_offloading_size: float = 1.0  # GiB
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -266,6 +287,7 @@ class EngineConfig:
         # The draft model runs in the worker next to rank 0's sampler; sharding it is not built yet.
         _check(spec is None or spec.method != "draft_model" or self.parallel.tensor_parallel_size == 1,
                "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
+        self._check_kv_connectors()
         if self.reasoning_parser is not None:
             from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
@@ -274,6 +296,31 @@ class EngineConfig:
             from tokenloom.structured.tool_parsers import TOOL_PARSERS
             _check(self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser must be one of "
                    f"{', '.join(sorted(TOOL_PARSERS))} (got {self.tool_call_parser!r})")
+
+    def _check_kv_connectors(self) -> None:
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.splitwise_role is not None:
+            by_role = KVTransferConfig.from_splitwise_role(self.splitwise_role)
+            if self.kv_transfer_config is None:
+                self.kv_transfer_config = by_role
+            else:
+                _check(by_role is not None and by_role.kv_role == self.kv_transfer_config.kv_role,
+                       f"splitwise_role {self.splitwise_role!r} contradicts kv_role "
+                       f"{self.kv_transfer_config.kv_role!r} in kv_transfer_config")
+        self.kv_offload_config  # validates
+        _check(self.kv_transfer_config is None or self.kv_offloading_backend is None,
+               "kv_transfer_config and kv_offloading_backend cannot be combined yet (one KV connector per engine)")
+        _check((self.kv_transfer_config is None and self.kv_offloading_backend is None)
+               or self.parallel.tensor_parallel_size == 1,
+               "KV transfer and offload run at tensor_parallel_size 1 only (each rank would need its own transfer)")
+        _check(self.kv_offloading_backend is None or self.cache.enable_prefix_caching,
+               "kv_offloading_backend needs prefix caching (offloaded blocks are found by their prefix hash)")
+
+    @property
+    def kv_offload_config(self) -> KVOffloadConfig | None:
+        if self.kv_offloading_backend is None:
+            return None
+        return KVOffloadConfig(self.kv_offloading_backend, self.kv_offloading_size, self.kv_offloading_path)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -301,6 +348,10 @@ class EngineConfig:
                     kwargs[f.name] = getattr(ns, f.name)
         if getattr(ns, "speculative_config", None):
             kwargs["speculative_config"] = ns.speculative_config
+        for name in ("kv_transfer_config", "splitwise_role", "kv_offloading_backend", "kv_offloading_size",
+                     "kv_offloading_path"):
+            if getattr(ns, name, None) is not None:
+                kwargs[name] = getattr(ns, name)
         for name in ("reasoning_parser", "tool_call_parser"):
             if getattr(ns, name, None) is not None:
                 kwargs[name] = None if ns.__dict__[name] == "none" else ns.__dict__[name]
@@ -364,6 +415,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
                    default=env_default("tensor_parallel_size", None, int),
                    help="ranks that share the model (tensor parallel; default 1)")
+    g.add_argument("-dp", "--data-parallel-size", dest="data_parallel_size", type=int,
+                   default=env_default("data_parallel_size", None, int),
+                   help="engine replicas behind this server (data parallel; each its own TP group; default 1)")
     opt("distributed_executor_backend", str, "uni (the worker in the engine process; size 1) | mp (one process "
         "per rank); default uni at size 1, mp above")
     opt("nnodes", int, "machines the ranks span (default 1, or torchrun's NNODES)")
@@ -385,6 +439,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "(default: slice every expert)")
     opt("expert_placement_strategy", str, "with --enable-expert-parallel: linear (rank r holds a contiguous "
         "range of experts; default) | round_robin (expert e on rank e %% size)")
+    opt("kv_transfer_config", str, 'KV transfer for prefill/decode disaggregation, as JSON: {"kv_connector": '
+        '"ZmqConnector", "kv_role": "kv_producer|kv_consumer|kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, '
+        '"kv_transport": "tcp|ipc", "kv_load_failure_policy": "recompute|fail", "kv_lease_s": 60, '
+        '"kv_transfer_timeout_s": 10}')
+    opt("splitwise_role", str, "prefill | decode | mixed: FastDeploy's alias for kv_role kv_producer | kv_consumer | "
+        "no transfer")
+    opt("kv_offloading_backend", str, "native: save evicted prefix-cache blocks to host memory (or to "
+        "--kv-offloading-path) and load them back on a later hit")
+    opt("kv_offloading_size", float, "GiB the offload tier may hold (default 1)")
+    opt("kv_offloading_path", str, "directory for the offload tier (blocks survive a restart); default host memory")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

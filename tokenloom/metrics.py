@@ -66,7 +66,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, cache_info: dict[str, Any] | None = None,
                  registry: CollectorRegistry | None = None, prefix: str | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, engines: int = 1) -> None:
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
             # process_* (CPU seconds, resident memory, open fds, start time) and python_* as every
@@ -89,28 +89,43 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(prefix + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.gpu_prefix_cache_queries = counter("gpu_prefix_cache_queries",
-                                                "Deprecated name of prefix_cache_queries (kept for dashboards).")
-        self.gpu_prefix_cache_hits = counter("gpu_prefix_cache_hits",
-                                             "Deprecated name of prefix_cache_hits (kept for dashboards).")
-        self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
-        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verify spans (one per "
-                                              "sequence and step that carried drafts).")
-        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        # Engine-level series: one per engine replica. With data parallel (engines > 1) they carry vLLM's
+        # `engine` label; with one engine they keep the label set single-engine dashboards expect.
+        self.engines = max(1, engines)
+        engine_labels = labels + (["engine"] if self.engines > 1 else [])
+        self._families: dict[str, Any] = {}
+
+        def family(kind, attr, name, doc):
+            self._families[attr] = kind(prefix + name, doc, engine_labels, registry=r)
+
+        family(Gauge, "num_requests_running", "num_requests_running", "Requests in the running batch.")
+        family(Gauge, "num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled.")
+        family(Gauge, "kv_cache_usage_perc", "kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
+        family(Counter, "prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        family(Counter, "prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        family(Counter, "gpu_prefix_cache_queries", "gpu_prefix_cache_queries",
+               "Deprecated name of prefix_cache_queries (kept for dashboards).")
+        family(Counter, "gpu_prefix_cache_hits", "gpu_prefix_cache_hits",
+               "Deprecated name of prefix_cache_hits (kept for dashboards).")
+        family(Counter, "num_preemptions", "num_preemptions", "Preemptions by the scheduler.")
+        family(Counter, "spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative verify spans (one per "
+               "sequence and step that carried drafts).")
+        family(Counter, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified.")
+        family(Counter, "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+               "Draft tokens accepted.")
+        family(Gauge, "kv_cache_used_blocks", "kv_cache_used_blocks",
+               "KV-cache blocks held by requests (0 when the engine is idle).")
+        family(Counter, "engine_restarts", "engine_restarts", "Times the EngineCore process was restarted.")
+        family(Gauge, "engine_healthy", "engine_healthy", "1 while the engine process is alive and answering.")
         self._spec_per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
-                                     "Draft tokens accepted, by position in the draft.", labels + ["position"],
-                                     registry=r)
-        self.kv_cache_used_blocks = gauge("kv_cache_used_blocks",
-                                          "KV-cache blocks held by requests (0 when the engine is idle).")
-        self.engine_restarts = counter("engine_restarts", "Times the EngineCore process was restarted.")
-        self.engine_healthy = gauge("engine_healthy", "1 while the engine process is alive and answering.")
+                                     "Draft tokens accepted, by position in the draft.",
+                                     engine_labels + ["position"], registry=r)
+        for engine in range(self.engines):  # every replica's series exists from the start
+            for attr in self._families:
+                self._child(attr, engine)
+        # The first engine's series under their historical attribute names.
+        for attr in self._families:
+            setattr(self, attr, self._child(attr, 0))
         self._rejected = Counter(prefix + "request_rejected", "Requests refused before reaching the engine "
                                  "(queue_full, engine_unavailable).", labels + ["reason"], registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
@@ -155,49 +170,63 @@ class ServerMetrics:
             self.cache_config_info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
         else:
             self.cache_config_info.set(1)
-        self._engine_counters: dict[str, float] = {}
+        self._engine_counters: dict[tuple[int, str], float] = {}
         # Callables (name, value) told of each raw latency sample ("ttft", "tpot", "e2e"), for the
         # web page's last-minute percentiles (histograms only keep buckets).
         self.listeners: list = []
 
     # -------------------------------------------------------------- engine side
 
-    def observe_engine_stats(self, stats: dict[str, Any]) -> None:
+    def _child(self, attr: str, engine: int = 0):
+        labels = (self.model_name, str(engine)) if self.engines > 1 else (self.model_name,)
+        return self._families[attr].labels(*labels)
+
+    def engine_restarts_of(self, engine: int):
+        return self._child("engine_restarts", engine)
+
+    def engine_healthy_of(self, engine: int):
+        return self._child("engine_healthy", engine)
+
+    def observe_engine_stats(self, stats: dict[str, Any], engine: int = 0) -> None:
+        """One engine's (replica's) stats after a step or heartbeat."""
         if not stats:
             return
+        child = lambda attr: self._child(attr, engine)  # noqa: E731
         if "num_running" in stats:
-            self.num_requests_running.set(stats["num_running"])
+            child("num_requests_running").set(stats["num_running"])
         if "num_waiting" in stats:
-            self.num_requests_waiting.set(stats["num_waiting"])
+            child("num_requests_waiting").set(stats["num_waiting"])
         usage = stats.get("kv_cache_usage")
         if usage is not None:
-            self.kv_cache_usage_perc.set(usage)
+            child("kv_cache_usage_perc").set(usage)
         if stats.get("kv_blocks_used") is not None:
-            self.kv_cache_used_blocks.set(stats["kv_blocks_used"])
-        for key, metrics in (("prefix_cache_queries", (self.prefix_cache_queries, self.gpu_prefix_cache_queries)),
-                             ("prefix_cache_hits", (self.prefix_cache_hits, self.gpu_prefix_cache_hits)),
-                             ("num_preemptions", (self.num_preemptions,)),
-                             ("spec_num_drafts", (self.spec_decode_num_drafts,)),
-                             ("spec_num_draft_tokens", (self.spec_decode_num_draft_tokens,)),
-                             ("spec_num_accepted_tokens", (self.spec_decode_num_accepted_tokens,))):
+            child("kv_cache_used_blocks").set(stats["kv_blocks_used"])
+        for key, attrs in (("prefix_cache_queries", ("prefix_cache_queries", "gpu_prefix_cache_queries")),
+                           ("prefix_cache_hits", ("prefix_cache_hits", "gpu_prefix_cache_hits")),
+                           ("num_preemptions", ("num_preemptions",)),
+                           ("spec_num_drafts", ("spec_decode_num_drafts",)),
+                           ("spec_num_draft_tokens", ("spec_decode_num_draft_tokens",)),
+                           ("spec_num_accepted_tokens", ("spec_decode_num_accepted_tokens",))):
             value = stats.get(key)
             if value is None:
                 continue
-            last = self._engine_counters.get(key, 0.0)
+            last = self._engine_counters.get((engine, key), 0.0)
             if value > last:
-                for metric in metrics:
-                    metric.inc(value - last)
-            self._engine_counters[key] = max(last, float(value))
+                for attr in attrs:
+                    child(attr).inc(value - last)
+            self._engine_counters[(engine, key)] = max(last, float(value))
         for pos, value in enumerate(stats.get("spec_num_accepted_tokens_per_pos") or ()):
-            key = f"spec_per_pos_{pos}"
+            key = (engine, f"spec_per_pos_{pos}")
             last = self._engine_counters.get(key, 0.0)
             if value > last:
-                self._spec_per_pos.labels(self.model_name, str(pos)).inc(value - last)
+                labels = (self.model_name, str(engine)) if self.engines > 1 else (self.model_name,)
+                self._spec_per_pos.labels(*labels, str(pos)).inc(value - last)
             self._engine_counters[key] = max(last, float(value))
 
-    def reset_engine_counters(self) -> None:
-        """A new engine process counts from zero again."""
-        self._engine_counters = {}
+    def reset_engine_counters(self, engine: int | None = None) -> None:
+        """A new engine process (one replica, or all with None) counts from zero again."""
+        self._engine_counters = {k: v for k, v in self._engine_counters.items()
+                                 if engine is not None and k[0] != engine}
 
     def observe_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()

@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None  # an embedding request's pooled, normalized hidden state
+    kv_transfer_params: dict | None = None  # a prefill instance's answer for its decoder (PD)
 
 
 @dataclass

@@ -142,6 +142,9 @@ class SamplingParams:
     # An embedding request (LLM.embed, /v1/embeddings): the engine computes the whole prompt in one step and
     # answers its pooled hidden state; nothing is sampled.
     embed: bool = False
+    # Prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} on a prefill instance, or the
+    # params it returned on a decode instance (tokenloom.kv_transfer.pd_scheduler checks them).
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, None, "an int >= 1")
@@ -196,6 +199,9 @@ class SamplingParams:
         if self.thinking_token_budget is not None:
             self.thinking_token_budget = _check_int("thinking_token_budget", self.thinking_token_budget, 0,
                                                     None, "None or an int >= 0")
+        if self.kv_transfer_params is not None and not (isinstance(self.kv_transfer_params, dict)
+                                                        and len(self.kv_transfer_params) <= 16):
+            raise _err("kv_transfer_params", self.kv_transfer_params, "None or a dict of at most 16 keys")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _err("logprobs_mode", self.logprobs_mode, "one of 'raw', 'processed'")
 

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
+from tokenloom.engine.dp_client import DPEngineClient
 from tokenloom.metrics import ServerMetrics
 from tokenloom.model.pooler import PoolingConfig
 from tokenloom.outputs import RequestOutput
@@ -169,6 +170,9 @@ class AsyncLLM:
         # Called once per engine death, after every open request failed (the server restarts
         # the engine or exits); None: the server keeps answering 503.
         self.on_engine_dead: Any = None
+        # Data parallel: called as (rank, reason) when one replica died while others serve (its requests
+        # have failed); the server restarts it (--restart-engine) or serves on without it.
+        self.on_replica_dead: Any = None
         self.restarting = False
         self.num_restarts = 0
         self._restart_times: list[float] = []
@@ -178,8 +182,19 @@ class AsyncLLM:
         self.reserved_work = 0.0
         self.tracer: Any = None  # an OpenTelemetry tracer when --otlp-traces-endpoint is set (tracing.py)
 
-    def _new_client(self) -> EngineCoreClient:
-        holder: list[EngineCoreClient] = []
+    @property
+    def data_parallel_size(self) -> int:
+        return int(getattr(getattr(self.config, "parallel", None), "data_parallel_size", 1) or 1)
+
+    def _new_client(self) -> EngineCoreClient | DPEngineClient:
+        holder: list[Any] = []
+        if self.data_parallel_size > 1:
+            client: Any = DPEngineClient(self.config, self.data_parallel_size, on_outputs=self._on_outputs,
+                                         on_dead=lambda reason: self._on_dead(holder[0], reason),
+                                         on_stats=self._on_stats, on_replica_dead=self._on_replica_dead,
+                                         **self._client_args)
+            holder.append(client)
+            return client
         client = EngineCoreClient(self.config, on_outputs=self._on_outputs,
                                   on_dead=lambda reason: self._on_dead(holder[0], reason),
                                   on_stats=self._on_stats, **self._client_args)
@@ -220,7 +235,8 @@ class AsyncLLM:
             "enable_prefix_caching": self.config.cache.enable_prefix_caching,
             "cache_dtype": self.info.get("kv_cache_dtype", self.info.get("dtype", self.config.model.dtype)),
         }
-        self.metrics = ServerMetrics(self.served_model_name, cache_info, max_model_len=self.max_model_len)
+        self.metrics = ServerMetrics(self.served_model_name, cache_info, max_model_len=self.max_model_len,
+                                     engines=self.data_parallel_size)
         self._started = True
         return self
 
@@ -249,11 +265,54 @@ class AsyncLLM:
             self.load.calibrate(float(self.info.get("warmup_decode_seconds") or 0.0))
             self.num_restarts += 1
             if self.metrics is not None:
-                self.metrics.engine_restarts.inc()
+                for rank in range(self.data_parallel_size):
+                    self.metrics.engine_restarts_of(rank).inc()
                 self.metrics.reset_engine_counters()
             logger.warning("engine restarted (%d restart(s) so far)", self.num_restarts)
         finally:
             self.restarting = False
+
+    async def restart_replica(self, rank: int, startup_timeout: float | None = None) -> None:
+        """Data parallel: replace dead replica `rank` by a fresh process while the others serve; the same
+        restart budget as `restart()` (MAX_RESTARTS_IN_WINDOW within RESTART_WINDOW_S, all replicas
+        together) applies."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= MAX_RESTARTS_IN_WINDOW:
+            raise EngineStartupError(f"engine replicas were restarted {len(self._restart_times)} times within "
+                                     f"{RESTART_WINDOW_S:g} s and one died again; not restarting replica {rank}")
+        self._restart_times.append(now)
+        await self.client.restart_replica(rank, startup_timeout=startup_timeout)
+        self.num_restarts += 1
+        if self.metrics is not None:
+            self.metrics.engine_restarts_of(rank).inc()
+            self.metrics.reset_engine_counters(rank)
+        logger.warning("engine replica %d restarted (%d restart(s) so far)", rank, self.num_restarts)
+
+    def replica_health(self) -> list[dict[str, Any]] | None:
+        """Data parallel: per replica, alive or why not (None with a single engine)."""
+        if not isinstance(self.client, DPEngineClient):
+            return None
+        out = []
+        for rank, r in enumerate(self.client.replicas):
+            serving = self.client.is_serving(rank)
+            reason = None if serving else ("restarting" if r.is_alive else r.dead_reason)
+            out.append({"engine": rank, "alive": serving, "pid": r.engine_pid,
+                        **({} if reason is None else {"reason": reason})})
+        return out
+
+    def update_engine_metrics(self) -> None:
+        """Refresh the per-engine gauges (engine state and health) before /metrics renders."""
+        if self.metrics is None:
+            return
+        if isinstance(self.client, DPEngineClient):
+            for rank, replica in enumerate(self.client.replicas):
+                self.metrics.observe_engine_stats(replica.last_stats, rank)
+                serving = self.client.is_serving(rank) and not self.restarting
+                self.metrics.engine_healthy_of(rank).set(1 if serving else 0)
+        else:
+            self.metrics.observe_engine_stats(self.engine_stats)
+            self.metrics.engine_healthy.set(1 if self.is_healthy else 0)
 
     # ------------------------------------------------------------------ health / state
 
@@ -329,10 +388,18 @@ class AsyncLLM:
         return dict(self.generation_defaults)
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
+                       priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                       data_parallel_rank: int | None = None):
         """Tokenize and validate (raises RequestValidationError / SamplingParamsError)."""
-        return self.input_processor.process(request_id, prompt, params, priority=priority,
-                                            arrival_time=arrival_time, cache_salt=cache_salt)
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
+            from tokenloom.engine.input_processor import RequestValidationError
+            raise RequestValidationError(f"data_parallel_rank {data_parallel_rank} is out of range: this server "
+                                         f"runs {self.data_parallel_size} engine replica(s) "
+                                         f"(0..{self.data_parallel_size - 1})", param="data_parallel_rank")
+        req = self.input_processor.process(request_id, prompt, params, priority=priority,
+                                           arrival_time=arrival_time, cache_salt=cache_salt)
+        req.data_parallel_rank = data_parallel_rank
+        return req
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, engine_request: Any = None, prompt_text: str | None = None,
@@ -438,9 +505,23 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine callbacks
 
-    def _on_stats(self, stats: dict[str, Any]) -> None:
+    def _on_stats(self, stats: dict[str, Any], engine: int = 0) -> None:
         if self.metrics is not None:
-            self.metrics.observe_engine_stats(stats)
+            self.metrics.observe_engine_stats(stats, engine)
+
+    def _on_replica_dead(self, rank: int, reason: str, request_ids: list[str]) -> None:
+        """Data parallel: one replica died; only its requests fail (with the engine-death error)."""
+        for rid in request_ids:
+            tracked = self._requests.get(rid)
+            if tracked is not None:
+                tracked.fail(EngineDeadError(f"the engine died: engine replica {rank}: {reason}"))
+        if self.metrics is not None:
+            self.metrics.observe_engine_stats({"num_running": 0, "num_waiting": 0}, rank)
+        if self.on_replica_dead is not None and not self._stopping:
+            try:
+                self.on_replica_dead(rank, reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_replica_dead callback failed")
 
     def _on_dead(self, client: EngineCoreClient, reason: str) -> None:
         if client is not self.client:
@@ -449,8 +530,8 @@ class AsyncLLM:
         if self.restarting:
             return  # a replacement died while starting: restart() raises, and its caller counts the attempt
         if self.metrics is not None:
-            self.metrics.num_requests_running.set(0)
-            self.metrics.num_requests_waiting.set(0)
+            for rank in range(self.data_parallel_size):
+                self.metrics.observe_engine_stats({"num_running": 0, "num_waiting": 0}, rank)
         if self.on_engine_dead is not None and not self._stopping:
             try:
                 self.on_engine_dead(reason)

@@ -10,6 +10,7 @@ from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.engine.request import Request
 from tokenloom.executor.base import Executor, make_executor
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.kv_transfer.factory import make_scheduler_connector
 from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.scheduler import Scheduler, engine_output
@@ -33,8 +34,9 @@ class EngineCore:
         self.max_model_len = self.info.max_model_len
         self.kv_manager = KVCacheManager(self.info.num_blocks, self.info.block_size,
                                          config.cache.enable_prefix_caching, self.info.kv_release_window)
+        self.kv_connector = make_scheduler_connector(config, self.kv_manager, self.info.kv_connector)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
-                                   speculative=config.speculative_config)
+                                   speculative=config.speculative_config, connector=self.kv_connector)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
         self.counters = {"prompt_tokens": 0, "steps": 0, "batched_tokens": 0}
@@ -50,7 +52,7 @@ class EngineCore:
                           bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt)
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
-        self.scheduler.add_request(request)
+        self._finished.extend(self.scheduler.add_request(request))
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -147,6 +149,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "generation_tokens": self.scheduler.num_generation_tokens,
             **self._spec_stats(),
+            **self.scheduler.connector.stats(),
             **self.counters,
         }
 

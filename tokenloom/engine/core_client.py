@@ -57,7 +57,8 @@ class EngineCoreClient:
                  on_dead: Callable[[str], None] | None = None,
                  on_stats: Callable[[dict[str, Any]], None] | None = None,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 30.0,
-                 core_factory: str | None = None, step_timeout: float | None = None) -> None:
+                 core_factory: str | None = None, step_timeout: float | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.config = config
         self.on_outputs = on_outputs
         self.on_dead = on_dead
@@ -67,6 +68,7 @@ class EngineCoreClient:
         self.step_timeout = step_timeout if step_timeout and step_timeout > 0 else None
         self._step_started_at = 0.0  # monotonic start of the engine's current long step (0: none)
         self.core_factory = core_factory
+        self.env = env  # the engine process's environment (None: ours)
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
         self.engine_pid: int | None = None
@@ -133,7 +135,7 @@ class EngineCoreClient:
                "--config-type", _config_type_path(self.config)]
         if self.core_factory:
             cmd += ["--core-factory", self.core_factory]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=self.env)
         self.engine_pid = self.proc.pid
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(self.config))

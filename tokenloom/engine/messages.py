@@ -20,6 +20,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []
     eos_token_ids: list[int] = []
     cache_salt: str | None = None
+    # Data parallel: the engine replica that must run it (None: the frontend chooses; dp_client.py).
+    data_parallel_rank: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -37,6 +39,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     embedding: list[float] | None = None  # an embedding request's result (it finishes in the same output)
+    kv_transfer_params: dict | None = None  # a finished remote-decode prefill: what its decoder needs
     # Timestamps (time.time()) for metrics.
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0

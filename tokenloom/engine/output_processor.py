@@ -27,6 +27,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +83,8 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.embedding is not None:
             state.embedding = out.embedding
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         seq = state.sequences[out.index]
         if seq.output.finished:
             return
@@ -124,3 +127,4 @@ class OutputProcessor:
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
                              num_cached_tokens=state.num_cached_tokens, metrics=dict(state.metrics),
                              embedding=state.embedding)
+                             kv_transfer_params=state.kv_transfer_params)

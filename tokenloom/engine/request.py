@@ -62,6 +62,7 @@ class Request:
         width = max(params.n, params.best_of or params.n)
         self.pending_forks = width - 1 if index == 0 else 0
         self.structured: Any = None  # tokenloom.structured StructuredState, set by the EngineCore
+        self.kv_transfer_params: dict | None = None  # set when it finishes: what a KV consumer needs (PD)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""`tokenloom serve | generate | chat | bench`: the command line.
+"""`tokenloom serve | generate | chat | bench | router`: the command line.
 
 `generate` and `chat` are for a person at a terminal: tokens are printed as they come, and
 nothing else is (no progress bars, no log lines, no periodic engine stats) unless `-v`.
@@ -160,6 +160,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             reason = f"serve is unavailable: {exc}"
             p.set_defaults(func=lambda ns: _fail(reason))
 
+    p = sub.add_parser("router", help="HTTP proxy in front of several OpenAI-compatible servers (data parallel "
+                                      "across servers, prefix-aware routing, prefill/decode pairs)")
+    if command in (None, "router"):
+        from tokenloom.router.cli import add_router_args, run_router
+        add_router_args(p)
+        p.set_defaults(func=run_router)
+
     p = sub.add_parser("cache", help="what the weight cache holds (--clear empties it)")
     p.add_argument("--clear", action="store_true", help="remove every entry")
     p.set_defaults(func=cmd_cache)
@@ -178,7 +185,7 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if a in ("serve", "generate", "chat", "bench", "cache")), None)
+    command = next((a for a in args if a in ("serve", "generate", "chat", "bench", "cache", "router")), None)
     debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
         ns = build_parser(command).parse_args(args)  # TOKENLOOM_<NAME> defaults are read here

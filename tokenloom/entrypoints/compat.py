@@ -25,7 +25,6 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "this spelling of speculative decoding is not supported; use --speculative-config "
         "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (or \"ngram\")",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism is not supported",
-    ("--data-parallel-size", "-dp"): "data parallelism is not supported; run one server per device",
     ("--cpu-offload-gb",): "CPU offload of weights is not supported",
     ("--swap-space",): "KV-cache swapping is not supported (preempted requests are recomputed)",
     ("--tokenizer",): "a separate tokenizer is not supported: the tokenizer comes with the model",

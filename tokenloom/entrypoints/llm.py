@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
@@ -27,6 +27,10 @@ class LLM:
         if model is not None:
             engine_args["model"] = model
         self.config = EngineConfig.from_kwargs(**engine_args)
+        if self.config.parallel.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size {self.config.parallel.data_parallel_size}: LLM runs one engine in "
+                              f"this process; serve replicas with `tokenloom serve --data-parallel-size N` (or start "
+                              f"one LLM per process)")
         self.engine = EngineCore(self.config, progress=progress)
         info = self.engine.info
         self.tokenizer = Tokenizer.from_model_path(info.model_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from tokenloom.sampling_params import SamplingParams
 
 # One token's logprobs: [[token_id, logprob, rank], ...], the chosen token first, then the top-k.
@@ -33,6 +34,7 @@ class NewRequestData(msgspec.Struct, kw_only=True, array_like=True):
     num_computed_tokens: int  # prompt tokens served from the prefix cache
     eos_token_ids: list[int] = []
     bad_words_token_ids: list[list[int]] = []
+    output_token_ids: list[int] = []  # sampled elsewhere already (a remote prefill's first token)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
@@ -63,13 +65,14 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # A proposer in the worker (draft model) drafts for the next step after sampling this one; off while
     # speculation is paused (disable_by_batch_size), so an idle draft model costs nothing.
     propose_drafts: bool = False
+    kv_connector: KVConnectorMetadata | None = None  # KV loads, saves and publications (tokenloom.kv_transfer)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
     def __bool__(self) -> bool:
-        return bool(self.num_scheduled_tokens)
+        return bool(self.num_scheduled_tokens) or self.kv_connector is not None
 
     def subset(self, keys: list[str]) -> "SchedulerOutput":
         """The same step computing some sequences only: how fault isolation re-runs part of a failed batch.
@@ -97,3 +100,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # next step through spec_token_ids, or a prefix of them).
     draft_token_ids: dict[str, list[int]] = {}
     pooled: dict[str, list[float]] = {}  # embedding requests computed this step: key -> embedding
+    kv_connector: KVConnectorOutput | None = None  # transfers sent, loads failed

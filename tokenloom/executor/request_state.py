@@ -37,7 +37,8 @@ class RequestState:
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
         params = new.sampling_params
         width = max(params.n, params.best_of or params.n)
-        return cls(new.key, new.request_id, params, list(new.prompt_token_ids), list(new.prompt_token_ids),
+        return cls(new.key, new.request_id, params, list(new.prompt_token_ids),
+                   list(new.prompt_token_ids) + list(new.output_token_ids),
                    list(new.block_ids), new.num_computed_tokens,
                    [] if params.ignore_eos else list(new.eos_token_ids),
                    [list(w) for w in new.bad_words_token_ids],

@@ -10,6 +10,8 @@ from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_t
 from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.setup import _name, build_worker, pick_device
 from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.kv_transfer.factory import make_worker_connector
+from tokenloom.kv_transfer.worker_hook import ConnectorHook
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -22,6 +24,7 @@ class Worker:
         self.master_port = master_port
         self.progress = progress and rank == 0
         self.setup = None
+        self.kv_hook: ConnectorHook | None = None  # a KV connector's worker half (tokenloom.kv_transfer)
 
     def load(self) -> WorkerInfo:
         parallel = self.config.parallel
@@ -30,6 +33,9 @@ class Worker:
         init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
         self.setup = setup = build_worker(self.config, progress=self.progress)
         arch = setup.arch
+        connector = make_worker_connector(self.config, setup.loaded.model, setup.runner.kv_caches, setup.block_size,
+                                          tp_group().rank, tp_group().size)
+        self.kv_hook = ConnectorHook(connector) if connector is not None else None
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
                           vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
                           eos_token_ids=list(arch.eos_token_ids), device=str(setup.device), dtype=_name(setup.dtype),
@@ -37,16 +43,23 @@ class Worker:
                           block_size=setup.block_size, max_model_len=setup.max_model_len,
                           tensor_parallel_size=tp_group().size, summary=setup.summary(),
                           pooling=setup.runner.pooling, warmup_decode_seconds=setup.warmup_decode_seconds,
-                          kv_release_window=setup.kv_release_window)
+                          kv_release_window=setup.kv_release_window,
+                          kv_connector=connector.info() if connector is not None else None)
 
     @property
     def runner(self):
         return self.setup.runner
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.kv_hook is None:
+            self.runner.update_states(step)
+            return self.runner.execute_model(step)
+        self.kv_hook.before_forward(step)  # loads; saves of blocks this step reuses
         self.runner.update_states(step)
-        return self.runner.execute_model(step)
+        return self.kv_hook.after_forward(step, self.runner.requests, self.runner.execute_model(step))
 
     def shutdown(self) -> None:
+        if self.kv_hook is not None:
+            self.kv_hook.connector.close()
         destroy_tensor_parallel()
         init_expert_parallel(False)

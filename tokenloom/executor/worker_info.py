@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.model.pooler import PoolingConfig
+from tokenloom.kv_transfer.metadata import KVWorkerInfo
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -24,6 +25,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     pooling: PoolingConfig | None = None  # set: an embedding engine (pooled hidden states, no generation)
     # The sliding window every layer attends within (blocks behind it are freed); None: some layer reads all.
     kv_release_window: int | None = None
+    kv_connector: KVWorkerInfo | None = None  # the worker half of a KV connector, when one is configured
 
     @property
     def full_length_requests(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class Block:
@@ -46,6 +47,7 @@ class BlockPool:
             self.num_reserved = 1
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
+        self.on_evict: Callable[[int, bytes], None] | None = None  # a KV offload tier saves the block's content
 
     @property
     def num_blocks(self) -> int:
@@ -71,6 +73,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block.block_id)

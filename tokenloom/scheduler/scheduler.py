@@ -14,6 +14,7 @@ from tokenloom.config import SchedulerConfig, SpeculativeConfig
 from tokenloom.engine.messages import EngineCoreOutput
 from tokenloom.engine.request import Request, RequestStatus
 from tokenloom.executor.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenloom.kv_transfer.base import SchedulerConnector
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 
@@ -22,9 +23,11 @@ class Scheduler:
     ones in (priority, arrival) order, within max_num_batched_tokens and max_num_seqs."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None):
+                 prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None,
+                 connector: SchedulerConnector | None = None):
         self.config = config
         self.kv = kv
+        self.connector = connector or SchedulerConnector()  # KV loads from elsewhere (tokenloom.kv_transfer)
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -53,11 +56,19 @@ class Scheduler:
         self.spec_num_accepted_tokens_per_pos = [0] * k
 
     # ---- queue management -------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> list[EngineCoreOutput]:
+        """Queue a request; returns its output already (a first token produced by a remote prefill)."""
         if request.key in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        first_token = self.connector.on_add(request)
         self.requests[request.key] = request
+        outputs = []
+        if first_token is not None:
+            outputs.append(self._append(request, first_token, None, time.time(), self.max_model_len))
+            if request.is_finished:
+                return outputs
         self._enqueue(request)
+        return outputs
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         keys = [r.sort_key() for r in self.waiting]
@@ -78,7 +89,11 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        hold, request.kv_transfer_params = self.connector.request_finished(request)
+        if hold:  # the connector owns the blocks now (a producer's lease)
+            request.block_ids = []
+        else:
+            self.kv.free(request)
         self.worker_drafts.pop(request.key, None)
         if self.requests.pop(request.key, None) is not None and request.sent_to_workers:
             self.finished_keys.append(request.key)
@@ -129,10 +144,13 @@ class Scheduler:
             embed = req.params.embed  # one whole prefill, never chunked nor served from the prefix cache
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and not embed else []
             num_cached_tokens = len(cached) * self.kv.block_size
-            n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens, budget)
+            external = 0
+            if req.num_computed_tokens == 0 and not embed:
+                external = self.connector.num_external_tokens(req, num_cached_tokens)
+            n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens - external, budget)
             if n > budget:
                 break  # next step (validation keeps an embedding prompt within one step's budget)
-            if not self.kv.allocate(req, n, cached):
+            if not self.kv.allocate(req, external + n, cached):
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
                     break
@@ -140,9 +158,11 @@ class Scheduler:
                 continue
             self.waiting.pop(idx)
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached_tokens
+                req.num_cached_tokens = num_cached_tokens + external
                 self.kv.record_prefix_query(req, num_cached_tokens)
-            req.num_computed_tokens = num_cached_tokens
+            if external:
+                self.connector.after_allocate(req, num_cached_tokens, external)
+            req.num_computed_tokens = num_cached_tokens + external
             self._reserve_lookahead(req, n)
             req.status = RequestStatus.RUNNING
             if not req.first_scheduled_time:
@@ -163,6 +183,7 @@ class Scheduler:
         self.pending_copies, self.finished_keys = [], []
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
+            self.connector.on_scheduled(req, n)
             if req.spec_token_ids:
                 out.spec_token_ids[req.key] = req.spec_token_ids
             if not req.sent_to_workers:
@@ -170,7 +191,7 @@ class Scheduler:
                     key=req.key, request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                     sampling_params=req.params, block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens, eos_token_ids=req.eos_token_ids,
-                    bad_words_token_ids=req.bad_words_token_ids))
+                    bad_words_token_ids=req.bad_words_token_ids, output_token_ids=req.output_token_ids))
                 req.sent_to_workers = True
             else:
                 first_block = 0 if req.resend_blocks else req.sent_blocks
@@ -179,6 +200,7 @@ class Scheduler:
                     new_block_ids=req.block_ids[first_block:], num_computed_tokens=req.num_computed_tokens,
                     replace_block_ids=req.resend_blocks))
             req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
+        out.kv_connector = self.connector.build_meta()
         return out
 
     def _propose(self, req: Request, budget: int) -> list[int]:
@@ -279,9 +301,14 @@ class Scheduler:
         """Advance every scheduled sequence by what it computed and sampled; stop checks; outputs."""
         outputs = []
         now = time.time()
+        self.connector.update(result.kv_connector)
+        failed = result.kv_connector.failed if result.kv_connector is not None else {}
         for key, n in step.num_scheduled_tokens.items():
             r = self.requests.get(key)
             if r is None:
+                continue
+            if key in failed:  # its loaded KV is missing: what the forward computed on top of it is void
+                outputs.extend(self._load_failed(r, failed[key]))
                 continue
             r.num_computed_tokens += n
             embedding = result.pooled.get(key)
@@ -314,6 +341,16 @@ class Scheduler:
             if self.lookahead and not r.is_finished:
                 self.worker_drafts[key] = result.draft_token_ids.get(key, [])
         return outputs
+
+    def _load_failed(self, r: Request, reason: str) -> list[EngineCoreOutput]:
+        """A KV load failed: recompute the request from scratch, or end it with an error (the policy)."""
+        if self.connector.failure_policy() == "recompute":
+            self._preempt(r)
+            return []
+        self.finish(r, "error")
+        out = engine_output(r, [])
+        out.error = f"KV transfer failed: {reason}"
+        return [out]
 
     def _settle_drafts(self, r: Request, drafts: list[int], accepted: int) -> None:
         """After verification: count, keep the KV of the accepted drafts only, release blocks that held
@@ -370,4 +407,5 @@ def engine_output(r: Request, tokens: list[int], logprobs=None) -> EngineCoreOut
         out.first_scheduled_time = r.first_scheduled_time
         out.first_token_time = r.first_token_time
         out.finished_time = time.time()
+        out.kv_transfer_params = r.kv_transfer_params
     return out

@@ -249,8 +249,10 @@ def ready_line(url: str, engine: AsyncLLM) -> str:
     fit = info.get("full_length_requests")
     if fit is None and blocks and block_size and max_len:
         fit = int(blocks) * int(block_size) // int(max_len)
-    return (f"tokenloom serving {engine.served_model_name} at {url} | KV cache: {blocks} blocks x {block_size} "
-            f"tokens | {fit} full-length ({max_len}-token) requests fit")
+    dp = engine.data_parallel_size
+    replicas = f" | {dp} engine replicas (data parallel), each with" if dp > 1 else " |"
+    return (f"tokenloom serving {engine.served_model_name} at {url}{replicas} KV cache: {blocks} blocks x "
+            f"{block_size} tokens | {fit} full-length ({max_len}-token) requests fit")
 
 
 ENGINE_RESTART_ATTEMPTS = 3
@@ -289,6 +291,33 @@ async def _restart_engine(server: _Server, engine: AsyncLLM, args: argparse.Name
     logger.error("the engine could not be restarted; the server exits (code 1)")
     server.exit_code = 1
     server.should_exit = True
+
+
+def _handle_replica_death(server: _Server, engine: AsyncLLM, args: argparse.Namespace, rank: int,
+                          reason: str) -> None:
+    """Data parallel: one replica died while others serve (its requests have failed). With --restart-engine
+    it is restarted; otherwise the server goes on without it (/health says "degraded")."""
+    if server.state.draining or server.should_exit:
+        return
+    if not getattr(args, "restart_engine", False):
+        logger.error("engine replica %d died (%s); serving on the other replicas (--restart-engine restarts it)",
+                     rank, reason)
+        return
+    logger.error("engine replica %d died (%s); restarting it", rank, reason)
+
+    async def restart() -> None:
+        for attempt in range(1, ENGINE_RESTART_ATTEMPTS + 1):
+            if server.state.draining or server.should_exit:
+                return
+            try:
+                await engine.restart_replica(rank, startup_timeout=args.engine_startup_timeout)
+                return
+            except Exception as e:  # noqa: BLE001
+                logger.error("restart attempt %d of engine replica %d failed: %s", attempt, rank, e)
+                await asyncio.sleep(min(30.0, 2.0 ** attempt))
+        logger.error("engine replica %d could not be restarted; serving on the other replicas", rank)
+
+    asyncio.ensure_future(restart())
 
 
 class StartupError(RuntimeError):
@@ -401,6 +430,7 @@ async def serve(args: argparse.Namespace) -> int:
     server = _Server(uv_config, engine, state, args.shutdown_timeout)
     server.loop = asyncio.get_running_loop()
     engine.on_engine_dead = lambda reason: _handle_engine_death(server, engine, args, reason)
+    engine.on_replica_dead = lambda rank, reason: _handle_replica_death(server, engine, args, rank, reason)
     if not engine.is_healthy:  # died during start-up already
         _handle_engine_death(server, engine, args, engine.dead_reason or "engine not running")
 

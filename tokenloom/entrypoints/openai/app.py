@@ -154,6 +154,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         if not engine.is_healthy:
             status = "engine_restarting" if getattr(engine, "restarting", False) else "engine_dead"
             return JSONResponse({"status": status, "reason": engine.dead_reason}, status_code=503)
+        replicas = engine.replica_health()  # data parallel: serving while one replica is down is "degraded"
+        if replicas is not None:
+            degraded = not all(r["alive"] for r in replicas)
+            return JSONResponse({"status": "degraded" if degraded else "ok", "engines": replicas})
         return JSONResponse({"status": "ok"})
 
     @app.post("/reset_prefix_cache")
@@ -173,8 +177,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         m = engine.metrics
         if m is None:
             return Response(b"", media_type="text/plain")
-        m.observe_engine_stats(engine.engine_stats)
-        m.engine_healthy.set(1 if engine.is_healthy else 0)
+        engine.update_engine_metrics()
         return Response(m.render(), media_type=m.content_type)
 
     if settings.enable_ui:

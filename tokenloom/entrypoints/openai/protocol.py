@@ -81,6 +81,10 @@ class SamplingFields(OpenAIBaseModel):
     request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LEN)
     return_token_ids: bool = False
     cache_salt: Optional[str] = Field(None, max_length=1024)
+    # Data parallel (-dp N): run on this engine replica (0..N-1) instead of the one the server picks.
+    data_parallel_rank: Optional[int] = Field(None, ge=0)
+    # Prefill/decode disaggregation (vLLM's field): set by `tokenloom router --pd`, answered by a prefill instance.
+    kv_transfer_params: Optional[dict[str, Any]] = Field(None, max_length=16)
     # Seconds the request may wait and run in all (capped by --request-timeout); past it: 504.
     timeout: Optional[float] = Field(None, gt=0, le=86400)
 

@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
                                       default_max_tokens=None)
         params = await apply_constraints(self, request, params, chat=True)
         engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
-                                             prompt_param="messages")
+                                             prompt_param="messages", data_parallel_rank=request.data_parallel_rank)
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
                                    engine_request=engine_request, prompt_text=text, priority=request.priority,
                                    timeout=self.timeout_for(request), reservation=self.reservation())
@@ -143,6 +143,8 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = list(final.prompt_token_ids)
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs(final)
+        if final.kv_transfer_params is not None:  # a prefill instance's answer (PD)
+            body["kv_transfer_params"] = final.kv_transfer_params
         return body
 
     # ------------------------------------------------------------------ streamed

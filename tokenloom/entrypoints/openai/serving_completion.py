@@ -38,10 +38,10 @@ class OpenAIServingCompletion(OpenAIServing):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str) and len(prompt) > 4096:  # tokenize long prompts off the event loop
                 er = await asyncio.to_thread(self.process_inputs, rid, prompt, params.clone(), request.priority,
-                                             request.cache_salt, param)
+                                             request.cache_salt, param, request.data_parallel_rank)
             else:
                 er = self.process_inputs(rid, prompt, params.clone(), request.priority, request.cache_salt,
-                                         prompt_param=param)
+                                         prompt_param=param, data_parallel_rank=request.data_parallel_rank)
             engine_requests.append(er)
             prompt_texts.append(prompt if isinstance(prompt, str)
                                 else self.tokenizer.decode(list(prompt), skip_special_tokens=False))
@@ -111,9 +111,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.prompt_logprobs(ro)
                 choices.append(choice)
-        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "system_fingerprint": self.system_fingerprint, "choices": choices,
                 "usage": self.usage(prompt_tokens, generated, cached)}
+        if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's answer (PD)
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
+        return body
 
     # ------------------------------------------------------------------ streamed
 

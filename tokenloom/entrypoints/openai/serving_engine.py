@@ -24,6 +24,7 @@ from tokenloom.engine.async_llm import (AsyncLLM, DuplicateRequestIdError, Engin
                                        RequestTimeoutError)
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT
 from tokenloom.entrypoints.openai.admission import UNSET_MAX_TOKENS_ESTIMATE, Arrival, EngineLoad, Limits, decide
+from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
                                                  ServiceUnavailableError, error_body)
 from tokenloom.entrypoints.openai.protocol import SamplingFields
@@ -125,6 +126,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, ReplicaUnavailableError):
+        return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
     if isinstance(exc, DuplicateRequestIdError):
         return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
     if isinstance(exc, RequestFailedError):
@@ -303,6 +306,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            kv_transfer_params=request.kv_transfer_params,
         )
         try:
             return SamplingParams(**kwargs)
@@ -312,13 +316,15 @@ class OpenAIServing:
             raise BadRequestError(str(e), code="invalid_value") from None
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int, cache_salt: str | None, prompt_param: str = "prompt"):
+                       priority: int, cache_salt: str | None, prompt_param: str = "prompt",
+                       data_parallel_rank: int | None = None):
         """Tokenize and validate one prompt; input errors become 400 naming the field."""
         from tokenloom.engine.input_processor import RequestValidationError
 
         try:
             return self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                              arrival_time=time.time(), cache_salt=cache_salt)
+                                              arrival_time=time.time(), cache_salt=cache_salt,
+                                              data_parallel_rank=data_parallel_rank)
         except RequestValidationError as e:
             param = e.param
             cause = e.__cause__ or e.__context__
