@@ -22,6 +22,24 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def parse_json_config(cls, value, name: str):
+    """A typed config from a dict, a JSON string (the CLI flag --NAME), an instance of `cls` or None; unknown
+    keys are one-line errors naming the known ones."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--{name.replace('_', '-')} is not valid JSON: {e}") from None
+    _check(isinstance(value, dict), f"{name} must be a JSON object (got {type(value).__name__})")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    _check(not unknown, f"unknown {name} key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return cls(**value)
+
+
+
 # Other spellings of the dtypes, as vLLM (half, float), PyTorch and llama.cpp (fp16, bf16, f32) write them.
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "f16": "float16", "float": "float32", "fp32": "float32",
                  "f32": "float32", "bf16": "bfloat16"}
@@ -240,20 +258,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """From a dict, a JSON string (the CLI flag), an instance or None."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object (got {type(value).__name__})")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        _check(not unknown, f"unknown speculative_config key(s): {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return parse_json_config(cls, value, "speculative_config")
 
 
 # KV connectors (prefill/decode disaggregation, offload tier): their own module, which needs ConfigError above.

@@ -126,5 +126,4 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, seqs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
                              num_cached_tokens=state.num_cached_tokens, metrics=dict(state.metrics),
-                             embedding=state.embedding)
-                             kv_transfer_params=state.kv_transfer_params)
+                             embedding=state.embedding, kv_transfer_params=state.kv_transfer_params)

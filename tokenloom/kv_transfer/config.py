@@ -2,10 +2,9 @@
 the KV offload tier (vLLM's --kv-offloading-backend / --kv-offloading-size, plus a directory)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from tokenloom.config import ConfigError
+from tokenloom.config import ConfigError, parse_json_config
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("ZmqConnector",)
@@ -60,18 +59,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value) -> "KVTransferConfig | None":
         """From a dict, a JSON string (the CLI flag), an instance or None."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        _check(isinstance(value, dict), f"kv_transfer_config must be a JSON object (got {type(value).__name__})")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        _check(not unknown, f"unknown kv_transfer_config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return parse_json_config(cls, value, "kv_transfer_config")
 
     @classmethod
     def from_splitwise_role(cls, role: str) -> "KVTransferConfig | None":
