@@ -243,12 +243,15 @@ def test_overload_gets_503_with_retry_after_at_once(server):
 
 
 def test_request_timeout(server):
-    before = metrics(server).get('tokenloom:request_success_total{finished_reason="timeout"}', 0)
+    """An admitted request that runs past its `timeout` ends with 504. Admission refuses at once a timeout shorter
+    than the expected latency unless the engine is idle, so each request starts on an idle engine."""
+    before = wait_idle(server).get('tokenloom:request_success_total{finished_reason="timeout"}', 0)
     body = {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True, "timeout": 1.0}
     t0 = time.time()
     r = post(server, "/v1/completions", body)
     assert 0.9 < time.time() - t0 < 10
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+    wait_idle(server)
     r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1500, "ignore_eos": True,
                                               "timeout": 1.0, "stream": True})
     events = sse_events(r.text)

@@ -105,7 +105,7 @@ def test_the_ops_fake_implementations_agree_with_the_kernels():
 def _mixed_step(backend, spans, slot_mapping, q, k, v, cache, window=None):
     backend.bind(cache)
     meta = backend.build_metadata(spans, slot_mapping)
-    impl = NativeAttention(q.shape[1], k.shape[1], q.shape[2], window)
+    impl = NativeAttention(q.shape[1], k.shape[1], q.shape[2], sliding_window=window)
     return impl(q, k, v, cache, meta)
 
 

@@ -59,7 +59,7 @@ def load() -> bool:
     _state["loaded"] = True
     _state["isa"] = isa
     _register_op_modules()
-    logger.info("native kernels loaded (%s)", isa)
+    logger.debug("native kernels loaded (%s)", isa)
     return True
 
 
