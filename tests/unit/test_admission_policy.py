@@ -165,3 +165,16 @@ def test_the_count_backstop_is_checked_first():
     assert refusal is not None and refusal.reason == "queue_full"
     # a request wider than the whole queue still gets in when nothing else is there
     assert decide(Arrival(seqs=80, tokens_per_seq=1, work=80), _busy(0, 0.0), est, limits) is None
+
+
+def test_reservations_taken_over_leave_no_work_behind():
+    """Float residue of reserved work made an idle engine look busy, so a request's own timeout was refused
+    on an estimate (found by test_request_timeout after a flood)."""
+    from types import SimpleNamespace
+
+    from tokenloom.engine.async_llm import Reservation
+    owner = SimpleNamespace(reserved_seqs=0, reserved_work=0.0)
+    reservations = [Reservation(owner, 1, w) for w in (0.1, 0.2, 0.7, 16.3, 1e-9)]
+    for r, w in zip(reservations, (0.3, 0.1, 0.7, 16.29, 0.0)):
+        r.take(1, w)
+    assert owner.reserved_seqs == 0 and owner.reserved_work == 0.0

@@ -57,6 +57,8 @@ class Reservation:
         self.work -= work
         self.owner.reserved_seqs -= seqs
         self.owner.reserved_work -= work
+        if self.owner.reserved_seqs == 0:  # no float residue may make an idle engine look busy to admission
+            self.owner.reserved_work = 0.0
         if self.seqs == 0 and self.work > 0:  # all taken over: the estimate's excess goes too
             self.take(0, self.work)
 
