@@ -67,7 +67,9 @@ def test_kernels_off_forces_the_torch_path():
 
 @pytest.mark.kernels
 def test_a_failed_build_is_one_log_line_and_the_torch_path(tmp_path):
-    proc = _load_in_subprocess({"TOKENLOOM_KERNEL_CACHE": str(tmp_path), "CXX": "/nonexistent/c++"})
+    # kernels on in the child even when this run forces them off (make test-fallback)
+    proc = _load_in_subprocess({"TOKENLOOM_KERNEL_CACHE": str(tmp_path), "CXX": "/nonexistent/c++",
+                                "TOKENLOOM_KERNELS": "on"})
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "native kernels unavailable" in line]
     assert len(warnings) == 1, proc.stderr
