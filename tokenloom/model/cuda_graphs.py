@@ -13,11 +13,10 @@ the GPU. The logits are computed outside the graph, on the real rows only.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 from tqdm import tqdm
 
+from tokenloom.model.layers.attention_backend import ScheduledSpan
 from tokenloom.model.layers.attention_flashinfer import WORKSPACE_BYTES, FlashInferMetadata, paged_kv_layout
 
 logger = logging.getLogger("tokenloom.engine")
@@ -37,20 +36,10 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= batch), None)
 
 
-@dataclass
-class _Spans:
-    """A stand-in ScheduledSpan for padding rows (start, num_tokens, block_ids)."""
-
-    first_row: int
-    start: int
-    num_tokens: int
-    block_ids: list[int]
-
-
 def pad_spans(spans: list, size: int, scratch_block: int) -> list:
     """`spans` plus padding rows, each one token at position 0 of the scratch block."""
     first = sum(s.num_tokens for s in spans)
-    return list(spans) + [_Spans(first + i, 0, 1, [scratch_block]) for i in range(size - len(spans))]
+    return list(spans) + [ScheduledSpan(first + i, 0, 1, [scratch_block]) for i in range(size - len(spans))]
 
 
 class _GraphWrappers:
