@@ -11,7 +11,7 @@ from tokenloom.model.arch_config import UnsupportedModelError
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
@@ -35,8 +35,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.args = (head_dim, max_positions, theta, scaling)  # the loader rebuilds the tables from them
+        # Tables are computed on the CPU even while the model is built on the meta device: meta math runs
+        # torch's Python reference ops, whose first use imports torch._dynamo and sympy (~2.5 s of start-up).
         inv_freq, attention_factor = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)

@@ -66,7 +66,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch)
-    net = net.to_empty(device=device).to(dtype)
+    _materialize(net, device)
+    net = net.to(dtype)
     _reset_buffers(net, device)
     from tokenloom.model.layers import quantized_linear
     expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
@@ -107,6 +108,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)
     size = sum(p.numel() * p.element_size() for p in net.parameters()) + sum(w.nbytes for w in packed)
     return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
+
+
+def _materialize(net: torch.nn.Module, device: torch.device) -> None:
+    """`Module.to_empty`, but with plain `torch.empty`: to_empty's `empty_like` of a meta tensor runs torch's
+    Python reference ops, whose first use imports torch._dynamo and sympy (2-3 s of a cold start)."""
+    for module in net.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
