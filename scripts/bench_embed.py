@@ -37,7 +37,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from tokenloom import LLM
-    from tokenloom.model.loader.resolve import embedding_model_path
+    from tokenloom.model.model_path import embedding_model_path
 
     llm = LLM("all-minilm-l6-v2", progress=False, dtype="float32", device="cpu", num_blocks=1024,
               max_num_seqs=64, max_num_batched_tokens=4096)

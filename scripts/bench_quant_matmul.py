@@ -5,7 +5,7 @@ import time, torch
 from tokenloom import kernels
 assert kernels.load()
 from tokenloom.model.loader import load_model
-from tokenloom.model.loader.resolve import embedded_model_path
+from tokenloom.model.model_path import embedded_model_path
 from tokenloom.model.prepack import pack_weight
 from tokenloom.model.layers.linear_method import mixed_linear
 q = load_model(embedded_model_path(), torch.float32, torch.device("cpu"), progress=False, quantized=True).model

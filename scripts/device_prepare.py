@@ -43,7 +43,7 @@ def download(spec: str, dest: str) -> None:
 def write_model_shape(dest: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from tokenloom.model.loader.resolve import embedded_model_path
+    from tokenloom.model.model_path import embedded_model_path
     folder, name = os.path.split(embedded_model_path())
     AutoConfig.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)

@@ -26,7 +26,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
-    from tokenloom.model.loader.resolve import embedded_model_path
+    from tokenloom.model.model_path import embedded_model_path
     return embedded_model_path()
 
 
@@ -56,7 +56,7 @@ def _reuse_loaded(loaded_by_path: dict, matmul_dtype=None):
     """Make build_engine reuse already loaded weights for known (path, dtype, device, matmul dtype)
     (loading is deterministic)."""
     import tokenloom.executor.setup as setup
-    from tokenloom.model.loader.resolve import resolve_model_path
+    from tokenloom.model.model_path import resolve_model_path
     real = setup.load_model
 
     def load(model, dtype, device, progress=True):

@@ -20,7 +20,7 @@ TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "A",
 
 @pytest.fixture(scope="module")
 def minilm_path() -> str:
-    from tokenloom.model.loader.resolve import embedding_model_path
+    from tokenloom.model.model_path import embedding_model_path
     return embedding_model_path()
 
 

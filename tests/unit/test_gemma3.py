@@ -18,7 +18,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.loader import load_model, open_model_source
-from tokenloom.model.loader.resolve import resolve_model_path
+from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tokenizer import Tokenizer
 
 WINDOW = 8

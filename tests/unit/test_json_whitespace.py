@@ -12,7 +12,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 
 @pytest.fixture(scope="module")
 def backend():
-    from tokenloom.model.loader.resolve import embedded_model_path
+    from tokenloom.model.model_path import embedded_model_path
     from tokenloom.structured.backend import get_backend
     from tokenloom.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, Engi
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
 from tokenloom.engine.dp_client import DPEngineClient
 from tokenloom.metrics import ServerMetrics
-from tokenloom.model.pooler import PoolingConfig
+from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -208,7 +208,7 @@ class AsyncLLM:
     async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
         from tokenloom.engine.input_processor import InputProcessor
         from tokenloom.engine.output_processor import OutputProcessor
-        from tokenloom.model.loader.resolve import resolve_model_path
+        from tokenloom.model.model_path import resolve_model_path
         from tokenloom.tokenizer import Tokenizer
 
         self.model_path = resolve_model_path(self.config.model.model)
@@ -324,7 +324,7 @@ class AsyncLLM:
 
     @property
     def pooling(self) -> PoolingConfig | None:
-        """Set when the engine embeds (serves /v1/embeddings, not generation); see tokenloom/model/pooler.py."""
+        """Set when the engine embeds (serves /v1/embeddings, not generation); see tokenloom/model/pooling_config.py."""
         p = self.info.get("pooling")
         if not p:
             return None

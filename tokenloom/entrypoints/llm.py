@@ -11,7 +11,7 @@ from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.model.pooler import PoolingConfig, truncate
+from tokenloom.model.pooling_config import PoolingConfig, truncate
 from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
 from tokenloom.sampling_params import SamplingParams

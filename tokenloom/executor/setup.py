@@ -21,7 +21,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend, Scheduled
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
-from tokenloom.model.pooler import pooling_for, sentence_max_length
+from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
 from tokenloom.spec_decode.draft_model import build_drafter, check_draft_vocabulary

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenloom.model.pooler import PoolingConfig
+from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.kv_transfer.metadata import KVWorkerInfo
 
 

@@ -15,7 +15,8 @@ from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, Sche
 from tokenloom.executor.request_state import RequestState
 from tokenloom.model.host_copy import tensor_on
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
-from tokenloom.model.pooler import PoolingConfig, pool
+from tokenloom.model.pooler import pool
+from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer

@@ -37,7 +37,6 @@ from typing import Any
 import uvicorn
 
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
-from tokenloom.executor.headless import run_headless
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_EXPECTED_LATENCY, DEFAULT_MAX_QUEUE_WAIT,
                                                          DEFAULT_MAX_WAITING_REQUESTS,
@@ -336,7 +335,7 @@ def prepare(args: argparse.Namespace):
     Returns (config, served model names, settings, socket)."""
     from tokenloom.config import EngineConfig
     from tokenloom.entrypoints.compat import apply_threads, check_common_args, read_chat_template
-    from tokenloom.model.loader.resolve import resolve_model_path
+    from tokenloom.model.model_path import resolve_model_path
 
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
@@ -392,7 +391,8 @@ def _apply_generation_config(engine: AsyncLLM, args: argparse.Namespace) -> None
 
 async def serve(args: argparse.Namespace) -> int:
     config, names, settings, sock = prepare(args)
-    if sock is None:
+    if sock is None:  # a node > 0 of a multi-node engine: workers only (imported here: they need torch)
+        from tokenloom.executor.headless import run_headless
         return run_headless(config)
     print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()

@@ -27,7 +27,7 @@ from tokenloom.entrypoints.openai.protocol import OpenAIBaseModel
 from tokenloom.entrypoints.openai.serving_engine import (CHARS_PER_TOKEN_ESTIMATE, OpenAIServing,
                                                          engine_error_to_api_error, merge_generators, random_id,
                                                          run_cancellable)
-from tokenloom.model.pooler import truncate
+from tokenloom.model.pooling_config import truncate
 from tokenloom.sampling_params import SamplingParams
 
 # Inputs per request: OpenAI's limit for an array input.

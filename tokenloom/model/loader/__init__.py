@@ -11,7 +11,7 @@ from tqdm import tqdm
 from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
-from tokenloom.model.loader.resolve import resolve_model_path
+from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
 

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# tokenloom and llama.cpp side by side on one GGUF, in one run (issue 15's and 18's comparisons):
+# llama-bench pp512/tg128 against tokenloom's offline prefill, then llama-server and tokenloom serve up
+# at once, `tokenloom bench serve` at concurrency 1 and 32 against each in turn (llama.cpp first, then
+# tokenloom, then the same again in the other order), then each server's peak RSS.
+#
+#   LLAMA_BIN=/path/to/llama.cpp/build/bin scripts/bench_vs_llamacpp.sh [MODEL.gguf] [tokenloom serve flags...]
+#
+# MODEL defaults to the embedded SmolLM2 GGUF. Results: bench-vs-llamacpp/*.json and summary.txt
+# (OUT=folder to change). llama.cpp is not a dependency of tokenloom: build it yourself (its README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+TL=.venv/bin/tokenloom
+: "${LLAMA_BIN:?set LLAMA_BIN to the folder holding llama-server and llama-bench}"
+MODEL="${1:-$($PY -c 'from tokenloom.model.model_path import resolve_model_path; print(resolve_model_path(None))')}"
+shift || true
+TL_ARGS=("$@")
+OUT="${OUT:-bench-vs-llamacpp}"
+LLAMA_PORT="${LLAMA_PORT:-18501}"
+TL_PORT="${TL_PORT:-18502}"
+NUM_C32="${NUM_C32:-64}"
+mkdir -p "$OUT"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+echo "== llama-bench pp512 / tg128 (2 threads)"
+"$LLAMA_BIN/llama-bench" -m "$MODEL" -t 2 -p 512 -n 128 -o json > "$OUT/llama_bench.json"
+echo "== tokenloom offline prefill, 16 x 512 tokens"
+$TL bench throughput -m "$MODEL" --num-prompts 16 --input-len 512 --output-len 1 --decode-profile 0 \
+  --json "$OUT/tokenloom_prefill.json" "${TL_ARGS[@]}" > "$OUT/tokenloom_prefill.log" 2>&1
+
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t 2 -c 65536 -np 32 --host 127.0.0.1 --port "$LLAMA_PORT" \
+  > "$OUT/llama_server.log" 2>&1 & pids+=($!); llama_pid=$!
+$TL serve "$MODEL" --port "$TL_PORT" --max-model-len 4096 "${TL_ARGS[@]}" > "$OUT/tokenloom_server.log" 2>&1 &
+pids+=($!); tl_pid=$!
+for port in "$LLAMA_PORT" "$TL_PORT"; do
+  for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 0.5; done
+done
+
+run() {  # name port concurrency prompts round
+  $TL bench serve --base-url "http://127.0.0.1:$2" --endpoint completions --dataset random --input-len 225 \
+    --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 \
+    --json "$OUT/$1_c$3_r$5.json" > "$OUT/$1_c$3_r$5.log" 2>&1
+}
+for c in 1 32; do
+  n=$([ "$c" = 1 ] && echo 6 || echo "$NUM_C32")
+  echo "== bench serve, concurrency $c: llama.cpp, tokenloom, tokenloom, llama.cpp"
+  run llama "$LLAMA_PORT" "$c" "$n" 1; run tokenloom "$TL_PORT" "$c" "$n" 1
+  run tokenloom "$TL_PORT" "$c" "$n" 2; run llama "$LLAMA_PORT" "$c" "$n" 2
+done
+rss() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status"; }
+tl_engine=$(pgrep -P "$tl_pid" | head -1 || true)
+{
+  echo "peak RSS MiB: llama-server $(rss "$llama_pid"); tokenloom API $(rss "$tl_pid")" \
+       "${tl_engine:+engine $(rss "$tl_engine")}"
+  $PY - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+bench = json.load(open(f"{out}/llama_bench.json"))
+pp = next(r["avg_ts"] for r in bench if r["n_prompt"] == 512)
+tg = next(r["avg_ts"] for r in bench if r["n_gen"] == 128)
+tl = json.load(open(f"{out}/tokenloom_prefill.json"))
+print(f"prefill tokens/s: llama-bench pp512 {pp:.1f}, tg128 {tg:.1f}; tokenloom 16x512 {tl['total_tokens_per_s']:.1f} "
+      f"({tl['total_tokens_per_s'] / pp:.2f}x pp512)")
+for c in (1, 32):
+    for path in sorted(glob.glob(f"{out}/*_c{c}_r*.json")):
+        r = json.load(open(path))["runs"][0]
+        name = os.path.basename(path)[:-5]
+        print(f"{name:16s} output tok/s {r['output_throughput']:8.1f}  TTFT p50 {r['ttft_ms']['p50']:9.1f} ms"
+              f"  TPOT p50 {r['tpot_ms']['p50']:7.1f} ms  failed {r['failed']}")
+PY
+} | tee "$OUT/summary.txt"
