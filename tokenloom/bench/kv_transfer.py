@@ -18,7 +18,8 @@ import time
 import torch
 
 from tokenloom.kv_transfer.blocks import layout
-from tokenloom.kv_transfer.transport import KVServer, PullRequest, pull
+from tokenloom.kv_transfer.puller import pull
+from tokenloom.kv_transfer.transport import KVServer, PullRequest
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 30, 16, 3, 64
 

@@ -54,9 +54,7 @@ class Worker:
         if self.kv_hook is None:
             self.runner.update_states(step)
             return self.runner.execute_model(step)
-        self.kv_hook.before_forward(step)  # loads; saves of blocks this step reuses
-        self.runner.update_states(step)
-        return self.kv_hook.after_forward(step, self.runner.requests, self.runner.execute_model(step))
+        return self.kv_hook.execute(step, self.runner)  # loads, saves and publications around the forward
 
     def shutdown(self) -> None:
         if self.kv_hook is not None:
