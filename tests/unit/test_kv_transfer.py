@@ -118,7 +118,6 @@ def test_splitwise_roles_map_to_kv_roles():
     ({"splitwise_role": "both"}, "splitwise_role must be one of prefill, decode, mixed"),
     ({"splitwise_role": "prefill", "kv_transfer_config": {"kv_role": "kv_consumer"}}, "contradicts kv_role"),
     ({"splitwise_role": "prefill", "kv_offloading_backend": "native"}, "cannot be combined"),
-    ({"splitwise_role": "prefill", "tensor_parallel_size": 2}, "tensor_parallel_size 1 only"),
     ({"kv_offloading_backend": "lmcache"}, "kv_offloading_backend must be one of native"),
     ({"kv_offloading_backend": "native", "kv_offloading_size": 0}, "kv_offloading_size must be > 0 GiB"),
     ({"kv_offloading_backend": "native", "enable_prefix_caching": False}, "needs prefix caching"),

@@ -37,6 +37,7 @@ class OffloadWorker(WorkerConnector):
         self.reader: threading.Thread | None = None
         self.writer: threading.Thread | None = None
         self.failed: dict[str, str] = {}
+        self.loaded: list[str] = []  # keys whose loads all succeeded (with TP, rank 0 counts every rank's)
 
     def info(self) -> KVWorkerInfo:
         return KVWorkerInfo(identity=self.identity, block_bytes=self.block_bytes)
@@ -80,6 +81,7 @@ class OffloadWorker(WorkerConnector):
             self.writer = threading.Thread(target=self._write, args=(saving, drops), name="kv-offload-write",
                                            daemon=True)
             self.writer.start()
+        self.loaded = list(dict.fromkeys(load.key for load, _ in self.loads if load.key not in self.failed))
         self.loads = []
 
     def _write(self, saving: list[tuple[int, str, torch.Tensor]], drops: list[str]) -> None:
@@ -94,8 +96,9 @@ class OffloadWorker(WorkerConnector):
             self.writer = None
 
     def get_finished(self, idle: bool) -> KVConnectorOutput:
-        failed, self.failed = self.failed, {}
-        return KVConnectorOutput(failed=failed)
+        out = KVConnectorOutput(loaded=self.loaded, failed=self.failed)
+        self.loaded, self.failed = [], {}
+        return out
 
     def close(self) -> None:
         self._join_writer()

@@ -6,6 +6,7 @@ from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.kv_transfer.base import WorkerConnector
 from tokenloom.kv_transfer.layerwise import LayerwiseCaches
 from tokenloom.kv_transfer.metadata import KVConnectorOutput
+from tokenloom.kv_transfer.rank_reports import RankReports
 
 
 class ConnectorHook:
@@ -13,6 +14,7 @@ class ConnectorHook:
         self.connector = connector
         self.step_id = -1
         self.pending = KVConnectorOutput()
+        self.ranks = RankReports()
 
     def execute(self, step: SchedulerOutput, runner) -> ModelRunnerOutput | None:
         """The runner's step with the connector's hooks: loads begun, the forward walked layer by layer when the
@@ -33,7 +35,7 @@ class ConnectorHook:
                 layers.finish()
             if first:
                 self.connector.wait_for_save(meta, runner.requests)
-                self._merge(self.connector.get_finished(idle=not step.num_scheduled_tokens))
+                self._merge(self.ranks.combine(self.connector.get_finished(idle=not step.num_scheduled_tokens)))
         if out is not None and (self.pending.sent or self.pending.loaded or self.pending.failed):
             out.kv_connector, self.pending = self.pending, KVConnectorOutput()
         return out
