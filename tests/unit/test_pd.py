@@ -304,6 +304,28 @@ def test_a_slow_pull_does_not_stop_the_other_requests_decoding(producer, consume
         held.close()
 
 
+def test_an_aborted_requests_blocks_wait_for_its_background_pull_to_end(producer, consumer):
+    params = prefill(producer, "p", PROMPTS[0])
+    held = HeldProducer(params["remote_address"])
+    try:
+        consumer.add_request(make_request("other", PROMPTS[1], greedy_params(4)))
+        consumer.step()
+        consumer.add_request(make_request("d", PROMPTS[0], greedy_params(MAX_TOKENS, kv_transfer_params=dict(
+            params, remote_address=held.address))))
+        consumer.step()  # d's pull starts in the background
+        consumer.abort_requests(["d"])
+        drive(consumer)  # "other" ends; d's blocks stay held: the puller may still write into them
+        assert consumer.kv_manager.pool.num_used == -(-len(PROMPTS[0]) // 16)
+        held.release()
+        for _ in range(500):
+            consumer.step()  # polls until the pull has ended
+            if consumer.kv_manager.pool.num_used == 0:
+                break
+        assert consumer.kv_manager.pool.num_used == 0
+    finally:
+        held.close()
+
+
 def test_a_background_pull_that_times_out_ends_its_request_with_an_error_and_spares_the_others(make_core):
     silent = zmq.Context.instance().socket(zmq.ROUTER)
     port = silent.bind_to_random_port("tcp://127.0.0.1")

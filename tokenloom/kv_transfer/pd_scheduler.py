@@ -117,7 +117,7 @@ class ZmqScheduler(SchedulerConnector):
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         self.remote.pop(request.key, None)
         if request.key in self.pulling:  # the puller may still write into its blocks: free them when it is done
-            self.orphans[request.key] = list(request.block_ids)
+            self.orphans[request.key] = request.block_ids[request.num_released_blocks:]
             return True, None
         tid = self.producing.pop(request.key, None)
         if tid is None or tid not in self.published:
