@@ -304,6 +304,14 @@ def test_a_slow_pull_does_not_stop_the_other_requests_decoding(producer, consume
         held.close()
 
 
+def test_with_nothing_else_running_the_pull_runs_inside_the_requests_own_step(producer, consumer, mixed_outputs):
+    params = prefill(producer, "p", PROMPTS[0])
+    consumer.add_request(make_request("d", PROMPTS[0], greedy_params(MAX_TOKENS, kv_transfer_params=params)))
+    first = [t for o in consumer.step() for t in o.new_token_ids]
+    assert not consumer.scheduler.loading
+    assert first == mixed_outputs[0][:2]  # the producer's token, then the one computed on the pulled KV
+
+
 def test_an_aborted_requests_blocks_wait_for_its_background_pull_to_end(producer, consumer):
     params = prefill(producer, "p", PROMPTS[0])
     held = HeldProducer(params["remote_address"])
