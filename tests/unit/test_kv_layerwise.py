@@ -162,3 +162,22 @@ def test_pulls_to_one_producer_share_one_socket():
     finally:
         puller.close()
         producer.close()
+
+
+def test_a_second_pull_of_a_transfer_in_flight_fails_at_once_and_the_first_goes_on():
+    producer, mine = ScriptedProducer(), _caches(None)
+    puller = KVPuller(mine)
+    try:
+        first = puller.start("a", producer.address, _request("t", mine, 1), [0], timeout_s=5)
+        peer, req = producer.receive()
+        second = puller.start("b", producer.address, _request("t", mine, 1), [1], timeout_s=5)
+        puller.wait_layer(second, 0)
+        assert second.done and "already being pulled" in second.error
+        producer.send_header(peer, req, [2])
+        for layer in range(LAYERS):
+            producer.send_layer(peer, req, [2], layer)
+        puller.wait_layer(first, LAYERS - 1)
+        assert first.done and first.error is None
+    finally:
+        puller.close()
+        producer.close()

@@ -116,17 +116,26 @@ class KVPuller:
                 wait_ms = min([100.0] + [max(0.0, (p.deadline - now) * 1000) for p in pending.values()])
                 for sock, _ in poller.poll(wait_ms):
                     if sock is wake:
-                        wake.recv()
+                        while wake.poll(0):
+                            wake.recv()
                         continue
                     self._drain(sock, pending)
                 while not self.inbox.empty():
                     pull = self.inbox.get()
+                    tid = pull.request.transfer_id.encode()
+                    if tid in pending:
+                        self._fail(pull, f"transfer {pull.request.transfer_id!r} is already being pulled")
+                        continue
                     sock = sockets.get(pull.address)
                     if sock is None:
                         sock = sockets[pull.address] = self._connect(pull.address)
                         poller.register(sock, zmq.POLLIN)
-                    pending[pull.request.transfer_id.encode()] = pull
-                    sock.send(msgspec.msgpack.encode(pull.request))
+                    try:
+                        sock.send(msgspec.msgpack.encode(pull.request), zmq.NOBLOCK)
+                    except zmq.Again:
+                        self._fail(pull, f"cannot send to {pull.address}")
+                        continue
+                    pending[tid] = pull
                 now = time.monotonic()
                 for tid, pull in list(pending.items()):
                     if pull.deadline < now:
