@@ -315,9 +315,6 @@ class EngineConfig:
         self.kv_offload_config  # validates
         _check(self.kv_transfer_config is None or self.kv_offloading_backend is None,
                "kv_transfer_config and kv_offloading_backend cannot be combined yet (one KV connector per engine)")
-        _check((self.kv_transfer_config is None and self.kv_offloading_backend is None)
-               or self.parallel.tensor_parallel_size == 1,
-               "KV transfer and offload run at tensor_parallel_size 1 only (each rank would need its own transfer)")
         _check(self.kv_offloading_backend is None or self.cache.enable_prefix_caching,
                "kv_offloading_backend needs prefix caching (offloaded blocks are found by their prefix hash)")
 

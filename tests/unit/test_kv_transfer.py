@@ -10,7 +10,8 @@ import zmq
 
 from tokenloom.config import ConfigError, EngineConfig, add_engine_args
 from tokenloom.kv_transfer.blocks import block_runs, layout
-from tokenloom.kv_transfer.transport import MAX_REQUEST_BYTES, KVServer, PullRequest, pull
+from tokenloom.kv_transfer.puller import pull
+from tokenloom.kv_transfer.transport import MAX_REQUEST_BYTES, KVServer, PullRequest
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 12, 4, 2, 8
 
@@ -117,7 +118,6 @@ def test_splitwise_roles_map_to_kv_roles():
     ({"splitwise_role": "both"}, "splitwise_role must be one of prefill, decode, mixed"),
     ({"splitwise_role": "prefill", "kv_transfer_config": {"kv_role": "kv_consumer"}}, "contradicts kv_role"),
     ({"splitwise_role": "prefill", "kv_offloading_backend": "native"}, "cannot be combined"),
-    ({"splitwise_role": "prefill", "tensor_parallel_size": 2}, "tensor_parallel_size 1 only"),
     ({"kv_offloading_backend": "lmcache"}, "kv_offloading_backend must be one of native"),
     ({"kv_offloading_backend": "native", "kv_offloading_size": 0}, "kv_offloading_size must be > 0 GiB"),
     ({"kv_offloading_backend": "native", "enable_prefix_caching": False}, "needs prefix caching"),
@@ -153,11 +153,12 @@ def test_connector_instructions_and_reports_cross_the_worker_process_boundary():
     from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
     from tokenloom.kv_transfer.metadata import (BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput,
                                                 Publish, RemoteLoad)
-    meta = KVConnectorMetadata(remote_loads=[RemoteLoad("k", "tcp://127.0.0.1:5", "t", 1, [4, 5])],
+    meta = KVConnectorMetadata(remote_loads=[RemoteLoad("k", ["tcp://127.0.0.1:5"], "t", 1, [4, 5], False)],
                                publish=[Publish("k2", "t2", 37)], release=["t3"], poll=True,
                                saves=[BlockSave(3, "n1")], drops=["n2"], loads=[BlockLoad("k", 9, "n3")])
     step = SchedulerOutput(step_id=3, kv_connector=meta)
     assert step  # a step with connector work runs even without tokens
     assert messages.decode_input(messages.encode(messages.ExecuteModel(step))).step.kv_connector == meta
-    done = messages.StepDone(output=ModelRunnerOutput(kv_connector=KVConnectorOutput(sent=["t"], failed={"k": "x"})))
-    assert messages.decode_output(messages.encode(done)).output.kv_connector.failed == {"k": "x"}
+    report = KVConnectorOutput(sent=["t"], loaded=["k3"], failed={"k": "x"})
+    done = messages.StepDone(output=ModelRunnerOutput(kv_connector=report))
+    assert messages.decode_output(messages.encode(done)).output.kv_connector == report

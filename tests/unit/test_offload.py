@@ -72,6 +72,31 @@ def test_the_disk_tier_keeps_its_hits_across_a_restart(make_core, reference, tmp
     assert cached == (len(PROMPT) - 1) // BLOCK * BLOCK
 
 
+def test_a_clean_shutdown_saves_the_cached_blocks_so_a_restart_hits_a_prefix_never_evicted(make_core, reference,
+                                                                                         tmp_path):
+    first = offload_core(make_core, kv_offloading_path=str(tmp_path))
+    run(first, "a", PROMPT)
+    assert tier_files(tmp_path) == []  # nothing was evicted
+    first.shutdown()
+    assert tier_files(tmp_path)
+    second = offload_core(make_core, kv_offloading_path=str(tmp_path))
+    got, cached = run(second, "b", PROMPT)
+    assert got == reference
+    assert cached == (len(PROMPT) - 1) // BLOCK * BLOCK
+
+
+def test_the_shutdown_save_stays_within_the_tiers_size_keeping_the_most_recent_blocks(make_core, tmp_path):
+    probe = offload_core(make_core)
+    block_bytes = probe.info.kv_connector.block_bytes
+    core = offload_core(make_core, kv_offloading_path=str(tmp_path), kv_offloading_size=3 * block_bytes / 2 ** 30)
+    run(core, "a", FILLERS[0])
+    run(core, "b", PROMPT)  # the most recent: its first blocks are the ones kept
+    core.shutdown()
+    assert len(tier_files(tmp_path)) == 3
+    again = offload_core(make_core, kv_offloading_path=str(tmp_path), kv_offloading_size=3 * block_bytes / 2 ** 30)
+    assert run(again, "c", PROMPT)[1] == 3 * BLOCK  # the prompt's first three blocks
+
+
 def test_another_model_never_reads_the_blocks(make_core, tmp_path):
     first = offload_core(make_core, kv_offloading_path=str(tmp_path))
     run(first, "a", PROMPT)

@@ -4,6 +4,7 @@ it receives are the producer's, and every failure (producer gone, producer silen
 configured policy, never a hang."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -235,3 +236,119 @@ def test_a_first_token_that_ends_the_request_needs_no_transfer(consumer):
     outs = drive(consumer)["d"]
     assert [o.new_token_ids for o in outs] == [[2]] and outs[0].finish_reason == "stop"
     assert consumer.counters["steps"] == 0
+
+
+class HeldProducer:
+    """A producer that answers only when the test lets it: pulls reach the real producer once `release` is
+    called (a busy or distant prefill instance); its answers come back unchanged."""
+
+    def __init__(self, target: str):
+        ctx = zmq.Context.instance()
+        self.front = ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.back = ctx.socket(zmq.DEALER)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.connect(target)
+        self.released = threading.Event()
+        self.stop = False
+        self.thread = threading.Thread(target=self._relay, daemon=True)
+        self.thread.start()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def _relay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        held, peer = [], None
+        while not self.stop:
+            for sock, _ in poller.poll(10):
+                if sock is self.front:
+                    peer, body = self.front.recv_multipart()
+                    held.append(body)
+                else:
+                    self.front.send_multipart([peer, *self.back.recv_multipart()])
+            while held and self.released.is_set():
+                self.back.send(held.pop(0))
+        self.front.close(0)
+        self.back.close(0)
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+
+
+def test_a_slow_pull_does_not_stop_the_other_requests_decoding(producer, consumer, mixed_outputs):
+    params = prefill(producer, "p", PROMPTS[0])
+    held = HeldProducer(params["remote_address"])
+    try:
+        consumer.add_request(make_request("other", PROMPTS[1], greedy_params(20)))
+        consumer.step()  # "other" is running
+        params = dict(params, remote_address=held.address)
+        consumer.add_request(make_request("d", PROMPTS[0], greedy_params(MAX_TOKENS, kv_transfer_params=params)))
+        outs: dict[str, list] = {}
+        while "other" not in outs or not outs["other"][-1].finish_reason:
+            for o in consumer.step():
+                outs.setdefault(o.request_id, []).append(o)
+            assert [k for k in consumer.scheduler.loading] and len(outs.get("d", [])) <= 1  # still held
+        assert len(tokens(outs["other"])) == 20 - 1  # "other" decoded to its end while the pull was held
+        held.release()
+        for rid, more in drive(consumer).items():
+            outs.setdefault(rid, []).extend(more)
+        assert tokens(outs["d"]) == mixed_outputs[0]
+        assert outs["d"][-1].num_cached_tokens == len(PROMPTS[0])  # its prompt still came from the producer
+        assert consumer.kv_manager.pool.num_used == 0
+    finally:
+        held.close()
+
+
+def test_with_nothing_else_running_the_pull_runs_inside_the_requests_own_step(producer, consumer, mixed_outputs):
+    params = prefill(producer, "p", PROMPTS[0])
+    consumer.add_request(make_request("d", PROMPTS[0], greedy_params(MAX_TOKENS, kv_transfer_params=params)))
+    first = [t for o in consumer.step() for t in o.new_token_ids]
+    assert not consumer.scheduler.loading
+    assert first == mixed_outputs[0][:2]  # the producer's token, then the one computed on the pulled KV
+
+
+def test_an_aborted_requests_blocks_wait_for_its_background_pull_to_end(producer, consumer):
+    params = prefill(producer, "p", PROMPTS[0])
+    held = HeldProducer(params["remote_address"])
+    try:
+        consumer.add_request(make_request("other", PROMPTS[1], greedy_params(4)))
+        consumer.step()
+        consumer.add_request(make_request("d", PROMPTS[0], greedy_params(MAX_TOKENS, kv_transfer_params=dict(
+            params, remote_address=held.address))))
+        consumer.step()  # d's pull starts in the background
+        consumer.abort_requests(["d"])
+        drive(consumer)  # "other" ends; d's blocks stay held: the puller may still write into them
+        assert consumer.kv_manager.pool.num_used == -(-len(PROMPTS[0]) // 16)
+        held.release()
+        for _ in range(500):
+            consumer.step()  # polls until the pull has ended
+            if consumer.kv_manager.pool.num_used == 0:
+                break
+        assert consumer.kv_manager.pool.num_used == 0
+    finally:
+        held.close()
+
+
+def test_a_background_pull_that_times_out_ends_its_request_with_an_error_and_spares_the_others(make_core):
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    consumer = make_core("llama", kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout_s": 0.5,
+                                                      "kv_load_failure_policy": "fail"})
+    try:
+        consumer.add_request(make_request("other", PROMPTS[1], greedy_params(8)))
+        consumer.step()
+        params = {"do_remote_prefill": True, "remote_address": f"tcp://127.0.0.1:{port}",
+                  "remote_transfer_id": "0" * 32, "remote_num_tokens": len(PROMPTS[2]), "first_token_id": 7}
+        consumer.add_request(make_request("d", PROMPTS[2], greedy_params(MAX_TOKENS, kv_transfer_params=params)))
+        outs = drive(consumer)
+        assert outs["d"][-1].finish_reason == "error" and "within 0.5 s" in outs["d"][-1].error
+        assert outs["other"][-1].finish_reason == "length" and len(tokens(outs["other"])) == 8 - 1
+        assert consumer.kv_manager.pool.num_used == 0
+    finally:
+        consumer.shutdown()
+        silent.close(0)

@@ -100,6 +100,25 @@ def broadcast_bytes(payload: bytes | None) -> bytes:
     return payload if _GROUP.is_first else data.numpy().tobytes()
 
 
+def gather_bytes_to_first(payload: bytes) -> list[bytes] | None:
+    """Every rank's `payload`, in rank order, on rank 0; None on the others (lengths first, then the bytes
+    padded to the longest: two small collectives)."""
+    if _GROUP.size == 1:
+        return [payload]
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    lengths = [torch.empty_like(length) for _ in range(_GROUP.size)]
+    dist.all_gather(lengths, length, group=_CONTROL_GROUP)
+    longest = max(int(n.item()) for n in lengths)
+    data = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        data[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(_GROUP.size)]
+    dist.all_gather(parts, data, group=_CONTROL_GROUP)
+    if not _GROUP.is_first:
+        return None
+    return [p[:int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths)]
+
+
 def shard_range(total: int, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
     """(start, length) of this rank's equal share of `total` (which the caller checked divides)."""
     rank = _GROUP.rank if rank is None else rank

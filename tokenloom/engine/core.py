@@ -71,7 +71,21 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self._last_connector_step()
+        finally:
+            self.executor.shutdown()
+
+    def _last_connector_step(self) -> None:
+        """A clean shutdown's last step for the KV connector (the disk offload tier saves its cached blocks)."""
+        meta = self.kv_connector.at_shutdown() if self.kv_connector is not None else None
+        if meta is None:
+            return
+        self.scheduler.num_steps += 1
+        try:
+            self.executor.execute_model(SchedulerOutput(step_id=self.scheduler.num_steps, kv_connector=meta))
+        except Exception:  # noqa: BLE001 - a worker already gone: the blocks are lost, the shutdown goes on
+            logger.warning("the KV connector's shutdown step failed; cached blocks were not saved", exc_info=True)
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -11,6 +11,7 @@ from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.setup import _name, build_worker, pick_device
 from tokenloom.executor.worker_info import WorkerInfo
 from tokenloom.kv_transfer.factory import make_worker_connector
+from tokenloom.kv_transfer.rank_reports import group_info
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 
 logger = logging.getLogger("tokenloom.engine")
@@ -44,7 +45,7 @@ class Worker:
                           tensor_parallel_size=tp_group().size, summary=setup.summary(),
                           pooling=setup.runner.pooling, warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window,
-                          kv_connector=connector.info() if connector is not None else None)
+                          kv_connector=group_info(connector) if connector is not None else None)
 
     @property
     def runner(self):
@@ -54,9 +55,7 @@ class Worker:
         if self.kv_hook is None:
             self.runner.update_states(step)
             return self.runner.execute_model(step)
-        self.kv_hook.before_forward(step)  # loads; saves of blocks this step reuses
-        self.runner.update_states(step)
-        return self.kv_hook.after_forward(step, self.runner.requests, self.runner.execute_model(step))
+        return self.kv_hook.execute(step, self.runner)  # loads, saves and publications around the forward
 
     def shutdown(self) -> None:
         if self.kv_hook is not None:

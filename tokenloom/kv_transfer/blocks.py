@@ -22,16 +22,15 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def run_views(kv_caches: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[memoryview]:
-    """One buffer per (layer, half, run), in that order: views of the cache on CPU (one copy each on CUDA)."""
+def layer_views(cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
+    """One buffer per (half, run) of one layer's cache, in that order: views on CPU (one copy each on CUDA)."""
     out = []
-    for cache in kv_caches:
-        for half in cache:
-            for first, n in runs:
-                t = half[first:first + n]
-                if t.device.type != "cpu":
-                    t = t.to("cpu")
-                out.append(memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B"))
+    for half in cache:
+        for first, n in runs:
+            t = half[first:first + n]
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            out.append(memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B"))
     return out
 
 
@@ -41,31 +40,29 @@ def half_block_bytes(kv_caches: list[torch.Tensor]) -> int:
     return cache[0, 0].numel() * cache.element_size()
 
 
-def write_runs(kv_caches: list[torch.Tensor], runs: list[int], buffers, block_ids: list[int]) -> str | None:
-    """Copy buffers laid out as `run_views` (run lengths `runs`) into `block_ids`; an error string if they
-    do not fit (sizes are checked before anything is written)."""
-    halves = kv_caches[0].shape[0]
-    expected = len(kv_caches) * halves * len(runs)
-    if len(buffers) != expected or sum(runs) != len(block_ids):
-        return f"got {len(buffers)} buffers for {sum(runs)} blocks, expected {expected} for {len(block_ids)}"
-    unit = half_block_bytes(kv_caches)
+def write_layer(cache: torch.Tensor, runs: list[int], buffers, block_ids: list[int]) -> str | None:
+    """Copy one layer's buffers laid out as `layer_views` (run lengths `runs`) into `block_ids`; an error
+    string if they do not fit (every size is checked before anything is written)."""
+    halves = cache.shape[0]
+    if len(buffers) != halves * len(runs) or sum(runs) != len(block_ids):
+        return (f"got {len(buffers)} buffers for {sum(runs)} blocks, expected {halves * len(runs)} "
+                f"for {len(block_ids)}")
+    unit = cache[0, 0].numel() * cache.element_size()
     for i, buf in enumerate(buffers):
         if memoryview(buf).nbytes != runs[i % len(runs)] * unit:
             return f"buffer {i} has {memoryview(buf).nbytes} bytes, expected {runs[i % len(runs)] * unit}"
-    device = kv_caches[0].device
     i = 0
-    for cache in kv_caches:
-        for half in cache:
-            cursor = 0
-            for n in runs:
-                with warnings.catch_warnings():  # zmq frames are read-only; we only read them
-                    warnings.simplefilter("ignore", UserWarning)
-                    src = torch.frombuffer(buffers[i], dtype=torch.uint8)
-                src = src.view(half.dtype).view(n, *half.shape[1:])
-                dst = torch.tensor(block_ids[cursor:cursor + n], device=device)
-                half.index_copy_(0, dst, src.to(device))
-                cursor += n
-                i += 1
+    for half in cache:
+        cursor = 0
+        for n in runs:
+            with warnings.catch_warnings():  # zmq frames are read-only; we only read them
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(buffers[i], dtype=torch.uint8)
+            src = src.view(half.dtype).view(n, *half.shape[1:])
+            dst = torch.tensor(block_ids[cursor:cursor + n], device=cache.device)
+            half.index_copy_(0, dst, src.to(cache.device))
+            cursor += n
+            i += 1
     return None
 
 

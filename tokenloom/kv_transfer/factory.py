@@ -22,7 +22,7 @@ def make_worker_connector(config: EngineConfig, model: torch.nn.Module, kv_cache
     identity = model_identity(model, kv_caches, tp_rank, tp_size)
     block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
     if transfer is not None:
-        return ZmqWorker(transfer, kv_caches, block_size, identity, block_bytes)
+        return ZmqWorker(transfer, kv_caches, block_size, identity, block_bytes, tp_rank, tp_size)
     return OffloadWorker(offload, kv_caches, identity, block_bytes)
 
 

@@ -8,10 +8,13 @@ class RemoteLoad(msgspec.Struct, array_like=True):
     """Pull a prompt's KV from a producer into this sequence's blocks (a decode instance)."""
 
     key: str
-    address: str  # the producer's ZMQ endpoint, tcp://host:port or ipc://path
+    addresses: list[str]  # the producer's ZMQ endpoints (tcp://host:port or ipc://path), one per TP rank
     transfer_id: str
     first_block: int  # blocks before it were prefix-cache hits here: pull the rest only
     block_ids: list[int]  # local destination, one per block pulled
+    # True: the request computes in this very step, so its forward waits for each layer as it arrives.
+    # False: the pull runs in the background while other requests step; the request waits for `loaded`.
+    layerwise: bool = True
 
 
 class Publish(msgspec.Struct, array_like=True):
@@ -53,6 +56,7 @@ class KVConnectorMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     sent: list[str] = []  # transfer ids a decoder has pulled: their blocks may be freed
+    loaded: list[str] = []  # sequence keys whose pull completed (a background load: now schedulable)
     failed: dict[str, str] = {}  # sequence key -> why its load failed (its computed KV is not valid)
 
 
@@ -61,4 +65,5 @@ class KVWorkerInfo(msgspec.Struct, kw_only=True):
 
     identity: str  # hex digest of the model and KV layout: offloaded blocks are keyed by it
     block_bytes: int  # one block over all layers
-    address: str = ""  # a producer's endpoint for pulls
+    address: str = ""  # a producer's endpoint for pulls (rank 0's)
+    addresses: list[str] = []  # a producer's endpoints, one per tensor-parallel rank

@@ -30,6 +30,7 @@ class OffloadScheduler(SchedulerConnector):
         self.meta = KVConnectorMetadata()
         self.loading: dict[str, list[str]] = {}  # sequence key -> names loaded this step
         self.num_saved = self.num_loaded = 0
+        self.persistent = bool(config.path)
         if config.path:
             for name in list_stored(tier_folder(config.path, info.identity)):
                 self._add(name)
@@ -61,7 +62,8 @@ class OffloadScheduler(SchedulerConnector):
             count += 1
         return count * bs
 
-    def after_allocate(self, request: Request, num_local_tokens: int, num_external_tokens: int) -> None:
+    def after_allocate(self, request: Request, num_local_tokens: int, num_external_tokens: int,
+                       background: bool = False) -> None:
         bs = self.kv.block_size
         first = num_local_tokens // bs
         names = []
@@ -72,6 +74,23 @@ class OffloadScheduler(SchedulerConnector):
             names.append(name)
         self.loading[request.key] = names
         self.num_loaded += len(names)
+
+    def at_shutdown(self) -> KVConnectorMetadata | None:
+        """The disk tier saves the prefix-cache blocks it lacks, most recently used first and no more than it
+        holds, so a restart hits prefixes that were never evicted. (Host memory ends with the process.)"""
+        if not self.persistent:
+            return None
+        pool = self.kv.pool
+        in_use = [b for b in pool.cached.values() if b.ref_cnt > 0]
+        free = [pool.blocks[bid] for bid in reversed(pool.free) if pool.blocks[bid].block_hash is not None]
+        recent = [b for b in in_use + free if pool.cached.get(b.block_hash) is b]
+        missing = [(b.block_id, self.name(b.block_hash)) for b in recent]
+        missing = [(bid, name) for bid, name in missing if name not in self.index][:self.capacity]
+        for bid, name in reversed(missing):  # least recent first, so the tier's LRU order stays right
+            self.meta.saves.append(BlockSave(bid, name))
+            self._add(name)
+            self.num_saved += 1
+        return self.build_meta()
 
     def build_meta(self) -> KVConnectorMetadata | None:
         meta, self.meta = self.meta, KVConnectorMetadata()

@@ -29,9 +29,8 @@ class HostStore:
         self.blocks: dict[str, torch.Tensor] = {}
 
     def put(self, name: str, block: torch.Tensor) -> None:
-        host = torch.empty(block.shape, dtype=block.dtype, pin_memory=block.is_cuda)
-        host.copy_(block)
-        self.blocks[name] = host
+        """Keeps `block` itself: the worker hands over a host buffer of its own, filled for this name."""
+        self.blocks[name] = block
 
     def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
         block = self.blocks.get(name)

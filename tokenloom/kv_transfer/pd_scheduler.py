@@ -24,11 +24,12 @@ from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutpu
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 MAX_TRANSFER_ID = 64  # characters; ours are 32 hex digits
+MAX_TP_RANKS = 64  # producer endpoints a decoder accepts in kv_transfer_params
 
 
 @dataclass
 class RemotePrefill:
-    address: str
+    addresses: list[str]  # one per producer TP rank
     transfer_id: str
     first_token: int
 
@@ -43,14 +44,17 @@ def _remote_prefill(params: dict, request: Request) -> RemotePrefill:
     """The params a producer returned, checked (they come through the client body)."""
     address, tid = params.get("remote_address"), params.get("remote_transfer_id")
     first, num = params.get("first_token_id"), params.get("remote_num_tokens")
-    if not (isinstance(address, str) and address.startswith(("tcp://", "ipc://")) and len(address) < 256):
-        raise ValueError("kv_transfer_params.remote_address must be a tcp:// or ipc:// address")
+    addresses = [address] if isinstance(address, str) else address
+    if not (isinstance(addresses, list) and 0 < len(addresses) <= MAX_TP_RANKS
+            and all(isinstance(a, str) and a.startswith(("tcp://", "ipc://")) and len(a) < 256 for a in addresses)):
+        raise ValueError("kv_transfer_params.remote_address must be a tcp:// or ipc:// address "
+                         "(or a list of them, one per tensor-parallel rank)")
     if not (isinstance(tid, str) and 0 < len(tid) <= MAX_TRANSFER_ID):
         raise ValueError("kv_transfer_params.remote_transfer_id is missing or too long")
     if not isinstance(first, int) or num != request.num_prompt_tokens:
         raise ValueError(f"kv_transfer_params do not match this prompt ({num!r} remote tokens, "
                          f"{request.num_prompt_tokens} here) or lack first_token_id")
-    return RemotePrefill(address, tid, first)
+    return RemotePrefill(addresses, tid, first)
 
 
 class ZmqScheduler(SchedulerConnector):
@@ -58,7 +62,10 @@ class ZmqScheduler(SchedulerConnector):
         self.config = config
         self.kv = kv
         self.address = info.address
+        self.addresses = info.addresses or [info.address]
         self.remote: dict[str, RemotePrefill] = {}  # consumer: by sequence key, until its load is planned
+        self.pulling: set[str] = set()  # consumer: keys whose pull runs in the background
+        self.orphans: dict[str, list[int]] = {}  # their blocks, held past the request's end until the pull ends
         self.producing: dict[str, str] = {}  # producer: sequence key -> transfer id
         self.published: set[str] = set()
         self.leases: dict[str, Lease] = {}  # transfer id -> held blocks
@@ -85,13 +92,21 @@ class ZmqScheduler(SchedulerConnector):
     def num_external_tokens(self, request: Request, num_local_tokens: int) -> int:
         return request.num_prompt_tokens - num_local_tokens if request.key in self.remote else 0
 
-    def after_allocate(self, request: Request, num_local_tokens: int, num_external_tokens: int) -> None:
+    def load_in_background(self, request: Request, others_computing: bool) -> bool:
+        """In the background while others compute (their decode steps go on); else within the request's own
+        step, layer by layer, which is the shortest way to its next token when nothing else waits."""
+        return others_computing
+
+    def after_allocate(self, request: Request, num_local_tokens: int, num_external_tokens: int,
+                       background: bool = False) -> None:
         remote = self.remote.pop(request.key)  # one try: a failed load recomputes or fails, never re-pulls
         bs = self.kv.block_size
         first = num_local_tokens // bs
         last = -(-(num_local_tokens + num_external_tokens) // bs)
-        self.meta.remote_loads.append(RemoteLoad(request.key, remote.address, remote.transfer_id, first,
-                                                 request.block_ids[first:last]))
+        self.meta.remote_loads.append(RemoteLoad(request.key, remote.addresses, remote.transfer_id, first,
+                                                 request.block_ids[first:last], layerwise=not background))
+        if background:
+            self.pulling.add(request.key)
 
     def on_scheduled(self, request: Request, num_new_tokens: int) -> None:
         tid = self.producing.get(request.key)
@@ -101,6 +116,9 @@ class ZmqScheduler(SchedulerConnector):
 
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         self.remote.pop(request.key, None)
+        if request.key in self.pulling:  # the puller may still write into its blocks: free them when it is done
+            self.orphans[request.key] = request.block_ids[request.num_released_blocks:]
+            return True, None
         tid = self.producing.pop(request.key, None)
         if tid is None or tid not in self.published:
             return False, None
@@ -109,7 +127,8 @@ class ZmqScheduler(SchedulerConnector):
             self.meta.release.append(tid)
             return False, None
         self.leases[tid] = Lease(list(request.block_ids), time.monotonic() + self.config.kv_lease_s)
-        return True, {"do_remote_prefill": True, "remote_address": self.address, "remote_transfer_id": tid,
+        address = self.address if len(self.addresses) == 1 else self.addresses
+        return True, {"do_remote_prefill": True, "remote_address": address, "remote_transfer_id": tid,
                       "remote_num_tokens": request.num_prompt_tokens,
                       "first_token_id": request.output_token_ids[0]}
 
@@ -122,17 +141,25 @@ class ZmqScheduler(SchedulerConnector):
             self.kv.pool.release(self.leases.pop(tid).block_ids)
             self.meta.release.append(tid)
             self.num_expired += 1
-        self.meta.poll = bool(self.leases)
+        self.meta.poll = bool(self.leases or self.pulling)
         meta, self.meta = self.meta, KVConnectorMetadata()
         return meta if meta else None
 
     def update(self, output: KVConnectorOutput | None) -> None:
-        for tid in output.sent if output is not None else ():
+        if output is None:
+            return
+        for key in [*output.loaded, *output.failed]:
+            self.pulling.discard(key)
+            blocks = self.orphans.pop(key, None)
+            if blocks is not None:
+                self.kv.pool.release(blocks)
+        for tid in output.sent:
             lease = self.leases.pop(tid, None)
             if lease is not None:
                 self.kv.pool.release(lease.block_ids)
                 self.num_sent += 1
 
     def stats(self) -> dict:
-        return {"kv_transfer_leases": len(self.leases), "kv_transfer_sent": self.num_sent,
+        return {"kv_transfer_leases": len(self.leases), "kv_transfer_pulling": len(self.pulling),
+                "kv_transfer_sent": self.num_sent,
                 "kv_transfer_expired": self.num_expired}

@@ -1,14 +1,19 @@
-"""The KV transport: a producer serves published blocks to one pull each over ZMQ (TCP or IPC).
+"""The KV transport: a producer serves published blocks to one pull each over ZMQ (TCP or IPC), layer by layer.
 
-A pull is one request/reply: a small msgspec header from the decoder, then a header and one frame per
-(layer, half, run of consecutive blocks) back. The frames are memoryviews of the KV cache sent with
-``copy=False``: no pickle, no serialization, no copy on the sending side (on CPU). Every size the other
-side controls is bounded: requests by MAXMSGSIZE, replies by the exact byte count the decoder expects.
+A pull is a small msgspec request from the decoder's DEALER socket; the producer's ROUTER answers with a
+header message, then one message per layer holding one frame per (half, run of consecutive blocks). Every
+message starts with the transfer id, so one DEALER per producer serves every pull to it, however many are in
+flight, and a late answer to a pull that already timed out is recognised and dropped. The frames are
+memoryviews of the KV cache sent with ``copy=False``: no pickle, no serialization, no copy on the sending side
+(on CPU). Per-layer messages let the decoder use layer i while layers > i still travel (ZMQ delivers a
+multipart message only whole). Every size the other side controls is bounded: requests by MAXMSGSIZE, replies
+by the exact byte count the decoder expects for each frame.
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -17,12 +22,13 @@ import msgspec
 import torch
 import zmq
 
-from tokenloom.kv_transfer.blocks import block_runs, half_block_bytes, layout, run_views, write_runs
+from tokenloom.kv_transfer.blocks import block_runs, layout, layer_views
 
 logger = logging.getLogger("tokenloom.kv_transfer")
 
 MAX_REQUEST_BYTES = 64 * 1024  # a pull request is a few hundred bytes; anything larger is not ours
 SEND_WAIT_S = 30.0  # how long the server waits for ZMQ to hand a reply's buffers to the network
+LAYER = struct.Struct("<I")
 
 
 class PullRequest(msgspec.Struct, kw_only=True):
@@ -31,6 +37,8 @@ class PullRequest(msgspec.Struct, kw_only=True):
     layout: str
     first_block: int
     num_blocks: int
+    tp_rank: int = 0  # the decoder's tensor-parallel rank and size: rank r pulls producer rank r's shard
+    tp_size: int = 1
 
 
 class PullReply(msgspec.Struct, kw_only=True):
@@ -46,20 +54,23 @@ class Published(msgspec.Struct):
 class KVServer:
     """A ROUTER socket served by one thread. Published transfers are served once, then reported as sent."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], identity: str, ip: str, port: int, transport: str):
+    def __init__(self, kv_caches: list[torch.Tensor], identity: str, ip: str, port: int, transport: str,
+                 tp_rank: int = 0, tp_size: int = 1):
         self.kv_caches = kv_caches
         self.identity = identity
         self.layout = layout(kv_caches)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # one message per layer per pull: never drop one (they are views)
         if transport == "ipc":
-            name = f"tokenloom-kv-{port or os.getpid()}.sock"
+            name = f"tokenloom-kv-{port or os.getpid()}-{tp_rank}.sock"
             self.address = f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
             self.sock.bind(self.address)
         elif port:
-            self.address = f"tcp://{ip}:{port}"
+            self.address = f"tcp://{ip}:{port + tp_rank}"  # rank r serves its shard on port + r
             self.sock.bind(self.address)
         else:
             self.address = f"tcp://{ip}:{self.sock.bind_to_random_port(f'tcp://{ip}')}"
@@ -97,60 +108,45 @@ class KVServer:
                 if not poller.poll(100):
                     continue
                 frames = self.sock.recv_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    continue  # not a REQ peer
+                if len(frames) != 2:
+                    continue  # not one of our DEALER peers
                 try:
-                    self._answer(frames[0], msgspec.msgpack.decode(frames[2], type=PullRequest))
+                    req = msgspec.msgpack.decode(frames[1], type=PullRequest)
                 except msgspec.DecodeError:
-                    self._reply(frames[0], PullReply(error="undecodable pull request"))
+                    continue  # without a transfer id there is nobody to answer
+                self._answer(frames[0], req)
         except Exception:  # noqa: BLE001 - a broken server must not take the engine down; pulls then fail
             logger.exception("KV server stopped")
         finally:
             self.sock.close(0)
 
-    def _reply(self, peer: bytes, reply: PullReply, buffers: list = ()):
-        return self.sock.send_multipart([peer, b"", msgspec.msgpack.encode(reply), *buffers], copy=False, track=True)
+    def _refusal(self, req: PullRequest, entry: Published | None) -> str:
+        if req.tp_size != self.tp_size or req.tp_rank != self.tp_rank:
+            return (f"tensor-parallel mismatch: the decoder's rank {req.tp_rank} of {req.tp_size} pulled from the "
+                    f"producer's rank {self.tp_rank} of {self.tp_size} (both sides need the same TP size)")
+        if entry is None or entry.deadline < time.monotonic():
+            return f"unknown or expired transfer {req.transfer_id!r}"
+        if req.identity != self.identity or req.layout != self.layout:
+            return f"the decoder's model or KV layout ({req.layout}) differs from the producer's ({self.layout})"
+        if not 0 <= req.first_block or req.first_block + req.num_blocks != len(entry.block_ids):
+            return (f"asked for blocks {req.first_block}..{req.first_block + req.num_blocks - 1}, "
+                    f"the transfer has {len(entry.block_ids)}")
+        return ""
 
     def _answer(self, peer: bytes, req: PullRequest) -> None:
+        tid = req.transfer_id.encode()
         with self.lock:
             entry = self.published.get(req.transfer_id)
-            error = ""
-            if entry is None or entry.deadline < time.monotonic():
-                error = f"unknown or expired transfer {req.transfer_id!r}"
-            elif req.identity != self.identity or req.layout != self.layout:
-                error = f"the decoder's model or KV layout ({req.layout}) differs from the producer's ({self.layout})"
-            elif not 0 <= req.first_block or req.first_block + req.num_blocks != len(entry.block_ids):
-                error = (f"asked for blocks {req.first_block}..{req.first_block + req.num_blocks - 1}, "
-                         f"the transfer has {len(entry.block_ids)}")
+            error = self._refusal(req, entry)
             if error:
-                self._reply(peer, PullReply(error=error))
+                self.sock.send_multipart([peer, tid, msgspec.msgpack.encode(PullReply(error=error))])
                 return
             runs = block_runs(entry.block_ids[req.first_block:])
-            tracker = self._reply(peer, PullReply(runs=[n for _, n in runs]), run_views(self.kv_caches, runs))
-            tracker.wait(SEND_WAIT_S)  # the blocks stay untouched until ZMQ no longer reads them
+            self.sock.send_multipart([peer, tid, msgspec.msgpack.encode(PullReply(runs=[n for _, n in runs]))])
+            trackers = [self.sock.send_multipart([peer, tid, LAYER.pack(i), *layer_views(cache, runs)],
+                                                 copy=False, track=True)
+                        for i, cache in enumerate(self.kv_caches)]
+            for tracker in trackers:  # the blocks stay untouched until ZMQ no longer reads them
+                tracker.wait(SEND_WAIT_S)
             del self.published[req.transfer_id]
             self.sent.append(req.transfer_id)
-
-
-def pull(address: str, request: PullRequest, kv_caches: list[torch.Tensor], block_ids: list[int],
-         timeout_s: float) -> str | None:
-    """Fetch a transfer's blocks into `block_ids`; None on success, else why it failed (never hangs past
-    timeout_s)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_REQUEST_BYTES, len(block_ids) * half_block_bytes(kv_caches)))
-    try:
-        sock.connect(address)
-        sock.send(msgspec.msgpack.encode(request))
-        if not sock.poll(int(timeout_s * 1000)):
-            return f"no answer from {address} within {timeout_s:g} s"
-        frames = sock.recv_multipart(copy=False)
-        reply = msgspec.msgpack.decode(frames[0].buffer, type=PullReply)
-        if reply.error:
-            return reply.error
-        return write_runs(kv_caches, reply.runs, [f.buffer for f in frames[1:]], block_ids)
-    except (zmq.ZMQError, msgspec.DecodeError) as e:
-        return f"pull from {address} failed: {e}"
-    finally:
-        sock.close(0)

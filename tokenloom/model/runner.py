@@ -33,6 +33,8 @@ class TokenOutOfVocabulary(IndexError):
 
 class ModelRunner:
     pooling: PoolingConfig | None = None  # set by the worker's setup on an embedding engine (model/pooler.py)
+    # For one step, the caches with a KV connector's per-layer hooks (tokenloom.kv_transfer.layerwise); else None.
+    kv_layers = None
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend):
@@ -143,11 +145,12 @@ class ModelRunner:
     def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
         """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, else
         an eager forward."""
-        if self.graphs is not None and self.graphs.can_run(spans):
+        if self.graphs is not None and self.kv_layers is None and self.graphs.can_run(spans):
             return self.graphs.run(ids, pos, slots, spans)
         dev = self.device
         meta = self.attention.build_metadata(spans, tensor_on(slots, torch.long, dev))
-        return self.model(tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev), self.kv_caches, meta)
+        caches = self.kv_caches if self.kv_layers is None else self.kv_layers
+        return self.model(tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev), caches, meta)
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""

@@ -31,6 +31,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # waiting for their KV to arrive in the background, by key
         self.requests: dict[str, Request] = {}  # by sequence key
         self.pending_copies: list[tuple[int, int]] = []
         self.finished_keys: list[str] = []  # sequences the workers still hold state for
@@ -89,6 +90,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.loading.pop(request.key, None)
         hold, request.kv_transfer_params = self.connector.request_finished(request)
         if hold:  # the connector owns the blocks now (a producer's lease)
             request.block_ids = []
@@ -135,7 +137,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             idx = self._pick_waiting()
             req = self.waiting[idx]
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
                     break
@@ -160,9 +162,14 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached_tokens + external
                 self.kv.record_prefix_query(req, num_cached_tokens)
+            background = bool(external) and self.connector.load_in_background(req, bool(scheduled))
             if external:
-                self.connector.after_allocate(req, num_cached_tokens, external)
+                self.connector.after_allocate(req, num_cached_tokens, external, background)
             req.num_computed_tokens = num_cached_tokens + external
+            if background:  # scheduled once its KV has arrived (update_from_output)
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[req.key] = req
+                continue
             self._reserve_lookahead(req, n)
             req.status = RequestStatus.RUNNING
             if not req.first_scheduled_time:
@@ -303,6 +310,8 @@ class Scheduler:
         now = time.time()
         self.connector.update(result.kv_connector)
         failed = result.kv_connector.failed if result.kv_connector is not None else {}
+        if result.kv_connector is not None and self.loading:
+            outputs.extend(self._background_loads_ended(result.kv_connector.loaded, failed))
         for key, n in step.num_scheduled_tokens.items():
             r = self.requests.get(key)
             if r is None:
@@ -340,6 +349,22 @@ class Scheduler:
                 self._settle_drafts(r, drafts, len(sampled[0].token_ids) - 1)
             if self.lookahead and not r.is_finished:
                 self.worker_drafts[key] = result.draft_token_ids.get(key, [])
+        return outputs
+
+    def _background_loads_ended(self, loaded: list[str], failed: dict[str, str]) -> list[EngineCoreOutput]:
+        """Requests whose KV arrived run from the next step on; a failed load follows the policy."""
+        outputs = []
+        for key in loaded:
+            r = self.loading.pop(key, None)
+            if r is not None:
+                r.status = RequestStatus.RUNNING
+                r.first_scheduled_time = r.first_scheduled_time or time.time()
+                self.running.append(r)
+        for key, reason in failed.items():
+            r = self.loading.pop(key, None)
+            if r is not None:
+                self.running.append(r)  # as if it had run: the policy's recompute preempts it from there
+                outputs.extend(self._load_failed(r, reason))
         return outputs
 
     def _load_failed(self, r: Request, reason: str) -> list[EngineCoreOutput]:
