@@ -2,9 +2,10 @@
 
 Both have one KV head for four query heads, so at TP=2 each rank holds two query heads and a replica of the
 KV head. The tiny model has windowed and global layers (window 8, different rotary bases), a query scale
-that is not head_dim**-0.5 and final-logit soft-capping; the real one its 512-token windows, K-quant layers
-(Q4_K o_proj split by whole blocks of columns, Q6_K down_proj), dense Q5_0 ones and the 262,144-row Q8_0
-tied embedding split by rows, the lookup scaled by sqrt(hidden) after the all-reduce.
+that is not head_dim**-0.5 and final-logit soft-capping; the real one its 512-token windows, its quantized
+layers (with the native kernels: Q5_0/Q8_0 q/k/v and gate/up split by rows, Q4_K/Q6_K o_proj and down_proj
+by whole blocks of columns) and the 262,144-row Q8_0 tied embedding split by rows, the lookup scaled by
+sqrt(hidden) after the all-reduce.
 
 Tolerance: the two ranks' partial sums are added in another order than one process adds them (float32), so
 prompt logprobs agree within 1e-4 (as tests/unit/test_tensor_parallel.py) and greedy tokens are identical.
