@@ -101,21 +101,10 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER[rest.removesuffix('.weight')]}.weight"
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma_gguf(tmp_path_factory):
-    """(path, transformers model): 6 layers, so Gemma 3's defaults (the file cannot name them) make the 6th
-    global; heads of 256 like the released models', where the query scale both transformers and llama.cpp
-    assume (256 and head_dim) agree; F32 tensors, norms stored with the 1 added as llama.cpp's converter
-    stores them."""
+def _write_gemma3_gguf(path: str, hf, embedding_type: str = "F32") -> str:
+    """`hf` (6 layers, heads of 256) as llama.cpp's converter writes it: norms with the 1 added, every tensor
+    F32 but the tied embedding, stored as `embedding_type` (F32 or Q8_0, the 270M file's)."""
     import gguf
-    config = transformers.Gemma3TextConfig(
-        **{**helpers.TINY_COMMON, "num_hidden_layers": 6, "num_key_value_heads": 2, "head_dim": 256},
-        sliding_window=WINDOW, query_pre_attn_scalar=256,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
-    torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = str(tmp_path_factory.mktemp("tiny_gemma3_gguf") / "tiny-gemma3.gguf")
     writer = gguf.GGUFWriter(path, "gemma3")
     writer.add_block_count(6)
     writer.add_context_length(helpers.TINY_COMMON["max_position_embeddings"])
@@ -129,18 +118,42 @@ def tiny_gemma_gguf(tmp_path_factory):
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_sliding_window(WINDOW)
     writer.add_vocab_size(512)
+    qtype = gguf.GGMLQuantizationType[embedding_type]
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p))
-            if name != "lm_head.weight":
-                data = (p + 1) if "norm" in name else p
-                writer.add_tensor(_gguf_name(name), data.numpy().astype(np.float32))
+            if name == "lm_head.weight":
+                continue
+            data = ((p + 1) if "norm" in name else p).numpy().astype(np.float32)
+            if name == "model.embed_tokens.weight" and qtype != gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(_gguf_name(name), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path, hf
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_gguf(tmp_path_factory):
+    """(path, transformers model): 6 layers, so Gemma 3's defaults (the file cannot name them) make the 6th
+    global; heads of 256 like the released models', where the query scale both transformers and llama.cpp
+    assume (256 and head_dim) agree; F32 tensors, norms stored with the 1 added as llama.cpp's converter
+    stores them."""
+    config = transformers.Gemma3TextConfig(
+        **{**helpers.TINY_COMMON, "num_hidden_layers": 6, "num_key_value_heads": 2, "head_dim": 256},
+        sliding_window=WINDOW, query_pre_attn_scalar=256,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("tiny_gemma3_gguf") / "tiny-gemma3.gguf")
+    return _write_gemma3_gguf(path, hf), hf
 
 
 def test_a_gemma3_gguf_loads_to_the_model_it_was_written_from_as_transformers_reads_it(tiny_gemma_gguf, prompts):
@@ -153,6 +166,25 @@ def test_a_gemma3_gguf_loads_to_the_model_it_was_written_from_as_transformers_re
     assert (got - helpers.hf_last_logits(source, prompts)).abs().max().item() < LOGIT_TOL
     theirs = helpers.load_hf_from_gguf(path)
     assert (got - helpers.hf_last_logits(theirs, prompts)).abs().max().item() < LOGIT_TOL
+
+
+def test_a_q8_0_tied_embedding_stays_in_its_blocks_as_the_output_head(tiny_gemma_gguf, prompts, tmp_path):
+    """The 270M file stores its 262,144 x 640 tied embedding as Q8_0: with the native kernels the engine
+    multiplies the head by those blocks (the lookup reads them too) instead of a float32 copy (640 MiB read
+    every decode step), with logits as the dequantized float32 model's (the exact path: summation order)."""
+    from tokenloom import kernels
+    from tokenloom.model.layers.quantized_weight import QuantizedWeight
+    if not kernels.load():
+        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+    path = _write_gemma3_gguf(str(tmp_path / "tiny-gemma3-q8.gguf"), tiny_gemma_gguf[1], "Q8_0")
+    core = _core(path, num_blocks=64)
+    model = core.executor.worker.runner.model  # after the engine's set-up (matmul dtype, oneDNN prepacking)
+    head = model.head_weight()
+    assert isinstance(head, QuantizedWeight) and head.bits == 8 and head is model.model.embed_tokens.weight
+    dense = load_model(path, torch.float32, torch.device("cpu"), progress=False, quantized=False).model
+    got, want = helpers.last_logits(model, prompts), helpers.last_logits(dense, prompts)
+    assert (got - want).abs().max().item() < LOGIT_TOL
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 # ---- the real Gemma 3 270M file -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ stored bytes with `gguf.quants.dequantize`, in HF (torch) layout, never through 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,6 +295,17 @@ def test_weight_cache_is_not_written_when_disabled(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
     load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False)
     assert not (tmp_path / "cache" / "weights").exists()
+
+
+# --- warnings -------------------------------------------------------------------------------------------
+
+def test_loading_the_embedded_gguf_emits_no_warning(embedded_path):
+    """The file's float tensors reach torch.from_numpy straight from the memory map, without a copy; a
+    read-only map made torch warn ("The given NumPy array is not writable") on every load."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(embedded_path, torch.float32, torch.device("cpu"), progress=False)
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
 
 
 # --- errors ---------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def _gguf_blocks(type_name: str, rows: int, cols: int) -> np.ndarray:
     sane fp16 super-block scales."""
     from gguf import GGMLQuantizationType, quants
     rng = np.random.default_rng(0)
-    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
         return quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType[type_name])
     size, d_at = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[type_name]
     blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
@@ -140,7 +140,7 @@ def _gguf_blocks(type_name: str, rows: int, cols: int) -> np.ndarray:
     return blocks
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_repacked_blocks_hold_exactly_the_gguf_weights(type_name):
     from gguf import GGMLQuantizationType, quants
     blocks = _gguf_blocks(type_name, 6, 512)

@@ -50,13 +50,15 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str:
 
 
 class GGUFModelFile:
-    """A GGUF file opened with the `gguf` package's reader (memory-mapped)."""
+    """A GGUF file opened with the `gguf` package's reader (memory-mapped, copy-on-write)."""
 
     def __init__(self, path: str):
         from gguf import GGUFReader
         self.path = path
         try:
-            self.reader = GGUFReader(path)
+            # Copy-on-write mapping: the arrays it hands out are writable (torch.from_numpy warns on a read-only
+            # one) yet share the file's pages; a write would only touch this process's private copy of a page.
+            self.reader = GGUFReader(path, mode="c")
         except Exception as exc:  # the reader raises assorted errors on a bad file
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from None
         self.metadata: dict[str, Any] = {}

@@ -4,6 +4,7 @@ Every supported type is read as unsigned values q with a float32 scale and min p
 - Q4_0 (32: fp16 d, 16 nibble bytes): the nibble bytes as they are; scale d, min -8d.
 - Q4_1 (32: d, m, 16 nibble bytes): the nibble bytes as they are; scale d, min m.
 - Q8_0 (32: d, 32 int8): q + 128 as a byte; scale d, min -128d.
+- Q5_0 (32: d, 4 bytes of fifth bits, 16 nibble bytes): the 5-bit values as bytes; scale d, min -16d.
 - Q4_K (256: d, dmin, 12 bytes of 6-bit sub-scales/mins, 128 nibble bytes): 8 sub-blocks of 32,
   scale d*sc, min -dmin*m, nibbles reordered into the 32-block layout.
 - Q5_K (as Q4_K plus a fifth bit a value): bytes, sub-blocks of 32.
@@ -11,7 +12,7 @@ Every supported type is read as unsigned values q with a float32 scale and min p
   of 16, scale d*sc, min -32*d*sc.
 The products d*sc are exact in float32 (11-bit by 8-bit mantissas), and the kernel forms q*scale + min with
 one rounding, so each weight equals the `gguf` package's dequantized value or is one float32 ulp from it
-(Q4_1/K-quants, whose reference rounds twice); Q4_0, Q8_0 and Q6_K match bit for bit.
+(Q4_1/K-quants, whose reference rounds twice); Q4_0, Q5_0, Q8_0 and Q6_K match bit for bit.
 """
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ def repack_q4_1(blocks: np.ndarray, rows: int) -> QuantizedWeight:
 def repack_q8_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
     d = _f16(blocks[:, 0:2])[:, 0]
     return _weight(blocks[:, 2:34] ^ np.uint8(0x80), d, -128.0 * d, rows, 8, 32)
+
+
+def repack_q5_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
+    d = _f16(blocks[:, 0:2])[:, 0]
+    n = blocks.shape[0]
+    fifth = np.ascontiguousarray(blocks[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)  # [n, 32]
+    low = blocks[:, 6:22].reshape(n, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    q = (low & np.uint8(0x0F)).reshape(n, 32) | ((fifth & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+    return _weight(q, d, -16.0 * d, rows, 8, 32)
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,6 +101,7 @@ def repack_q6_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
 
 
 _REPACK = {"Q4_0": (repack_q4_0, 32, 18), "Q4_1": (repack_q4_1, 32, 20), "Q8_0": (repack_q8_0, 32, 34),
+           "Q5_0": (repack_q5_0, 32, 22),
            "Q4_K": (repack_q4_k, 256, 144), "Q5_K": (repack_q5_k, 256, 176), "Q6_K": (repack_q6_k, 256, 210)}
 SUPPORTED = frozenset(_REPACK)
 

@@ -22,7 +22,7 @@ import torch
 
 from tokenloom.model.arch_config import ArchConfig
 
-_FORMAT = 2
+_FORMAT = 3  # 3: Q5_0 weights kept quantized (a format-2 entry holds them dense)
 _SAMPLES = 16  # blocks read across the file for its fingerprint
 _SAMPLE_BYTES = 64 * 1024
 DEFAULT_MAX_GB = 2.0
