@@ -90,7 +90,7 @@ def test_gemma3_270m_at_tp2_matches_tp1_past_the_512_token_window():
     """Slow: two loads of the 262,144-token model per engine and prompts of over 600 tokens on 2 cores.
     A counting prompt long enough that the local layers see only its end, and a short prose one, prefilled in
     256-token chunks."""
-    from tokenloom.model.loader.resolve import resolve_model_path
+    from tokenloom.model.model_path import resolve_model_path
     tokenizer = Tokenizer.from_gguf(resolve_model_path("gemma3-270m"))
     texts = [", ".join(str(i) for i in range(1, 260)) + ",", "The capital of France is"]
     prompts = [tokenizer.encode(t) for t in texts]
