@@ -238,6 +238,67 @@ void decode_tile(const Packed& w, int64_t t, float* wbuf) {
   }
 }
 
+template <typename F>
+inline void unroll4(F&& f) {
+  f(std::integral_constant<int, 0>{}), f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{});
+}
+
+// Byte J of each lane of a group as int32: element 16*HALF + 4g + J of the block (4-bit: its nibble).
+template <int BITS, int HALF, int J>
+inline vi element_of(vi v) {
+  if constexpr (BITS == 4) {
+    constexpr int shift = 8 * J + 4 * HALF;
+    if constexpr (shift == 28) return isrl32<28>(v);
+    else return iand(isrl32<shift>(v), iset1(0x0F));
+  } else {
+    if constexpr (J == 3) return isrl32<24>(v);
+    else return iand(isrl32<8 * J>(v), iset1(0xFF));
+  }
+}
+
+// Few rows (at most MR_EXACT): each block dequantized into registers and used at once, no buffer. The
+// FMAs per element are those of exact_tile over decode_tile's buffer, in the same order (k = 0..K-1),
+// and the dequantized weights the same fma(q, scale, min): so a row's bits match the many-row path.
+template <int BITS, int BS, int MR, int NV>
+void exact_tile_direct(const float* x, int64_t K, const Packed& w, int64_t t, float* out, int64_t ldo, int64_t n) {
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NV; ++cv) acc[r][cv] = fzero();
+  for (int64_t b = 0; b < w.nbx; ++b) {
+    const uint8_t* base[NV];
+    vf s[2][NV], m[2][NV];
+    for (int cv = 0; cv < NV; ++cv) {
+      base[cv] = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
+      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
+      s[0][cv] = fload(w.scale + at), m[0][cv] = fload(w.min + at);
+      s[1][cv] = BS == 32 ? s[0][cv] : fload(w.scale + at + PANEL);
+      m[1][cv] = BS == 32 ? m[0][cv] : fload(w.min + at + PANEL);
+    }
+    auto half = [&](auto h) {
+      constexpr int HALF = decltype(h)::value;
+      for (int g = 0; g < 4; ++g) {
+        vi v[NV];
+        for (int cv = 0; cv < NV; ++cv) v[cv] = iload(base[cv] + (BITS == 4 ? g : g + 4 * HALF) * 64);
+        unroll4([&](auto j) {
+          constexpr int J = decltype(j)::value;
+          vf wv[NV];
+          for (int cv = 0; cv < NV; ++cv) wv[cv] = ffma(cvt(element_of<BITS, HALF, J>(v[cv])), s[HALF][cv], m[HALF][cv]);
+          const int64_t k = b * 32 + 16 * HALF + 4 * g + J;
+          for (int r = 0; r < MR; ++r) {
+            const vf xb = fset1(x[r * K + k]);
+            for (int cv = 0; cv < NV; ++cv) acc[r][cv] = ffma(xb, wv[cv], acc[r][cv]);
+          }
+        });
+      }
+    };
+    half(std::integral_constant<int, 0>{});
+    half(std::integral_constant<int, 1>{});
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+}
+
 template <int MR>
 void exact_tile(const float* x, int64_t K, const float* wbuf, int64_t t, float* out, int64_t ldo, int64_t n) {
   vf acc[MR][NCV];
@@ -319,6 +380,25 @@ struct DecodedTile {
 
 template <int BITS, int BS>
 void exact_impl(const float* x, int64_t M, int64_t K, const Packed& w, int64_t tiles, float* out, int64_t n) {
+  if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
+        with_rows<2>(static_cast<int>(M), [&](auto rows) {
+          if (t + 1 < tiles) exact_tile_direct<BITS, BS, decltype(rows)::value, 2 * NCV>(x, K, w, t, out, n, n);
+          else exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
+        });
+    });
+    return;
+  }
+  if (M <= MR_EXACT) {  // one row tile: decoding into registers beats a buffer written and read back once
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        with_rows<MR_EXACT>(static_cast<int>(M), [&](auto rows) {
+          exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
+        });
+    });
+    return;
+  }
   run_units<MR_EXACT>(
       M, tiles, [&] { return DecodedTile{std::vector<float>(K * CT), -1}; },
       [&](int64_t t, DecodedTile& s) {
