@@ -4,7 +4,7 @@ Per shape and row count (1, 32, 256, 512): dense float32 (today's oneDNN-prepack
 (`--bf16`; slow on a CPU without AVX512-BF16), the row-major kernels (`quant_matmul`, `quant_matmul_a8`) and
 the column-interleaved ones (`quant_gemm`, `quant_gemm_a8`: what the model runs since issue 15's
 interleaved GEMM). Microseconds a call, best of 7, all variants interleaved in one process; ratios are
-dense f32 over the variant. Then the forward at 1 and 32 single-token rows: dense, exact, W4A8.
+dense f32 over the variant; the variants take turns (round robin) so load spikes hit them alike. Then the forward at 1 and 32 single-token rows: dense, exact, W4A8.
 
 Usage: .venv/bin/python scripts/bench_quant_matmul.py [--threads N] [--rows 1,32,256,512] [--bf16] [--no-forward]
 """
@@ -37,15 +37,19 @@ shapes = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.we
           "head": q.model.embed_tokens.weight}
 
 
-def best_us(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
+def best_us(fns: dict, reps: int, rounds: int = 7) -> dict:
+    """Best microseconds a call of each fn; the fns take turns each round, so a load spike from other
+    jobs hits them alike instead of one of them."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / reps)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 for rows in (int(r) for r in args.rows.split(",")):
@@ -66,7 +70,7 @@ for rows in (int(r) for r in args.rows.split(",")):
                      "exact-interleaved": lambda: quant.quant_gemm(x, *pn),
                      "w4a8-rowmajor": lambda: quant.quant_matmul_a8(x, *rm),
                      "w4a8-interleaved": lambda: quant.quant_gemm_a8(x, *pn)}
-        times = {k: best_us(fn, reps) for k, fn in variants.items()}
+        times = best_us(variants, reps)
         base = times["dense-f32"]
         cells = "  ".join(f"{k} {v:9.0f} ({base / v:4.2f}x)" for k, v in times.items())
         print(f"M={rows:4d} {name:8s} {tuple(w.shape)}: {cells}", flush=True)
@@ -83,15 +87,18 @@ dense_model = load_model(embedded_model_path(), torch.float32, torch.device("cpu
 prepack_linear_weights(dense_model.model)
 
 
-def forward_ms(model, rows):
+def forward(model, rows, mode=None):
     prompts = [[100 + i] for i in range(rows)]
-    return best_us(lambda: helpers.last_logits(model, prompts), 1) / 1e3
+
+    def run():
+        if mode:
+            set_quantized_matmul(model, mode)
+        helpers.last_logits(model, prompts)
+    return run
 
 
 for rows in (1, 32):
-    d = forward_ms(dense_model.model, rows)
-    set_quantized_matmul(q, "exact")
-    e = forward_ms(q, rows)
-    set_quantized_matmul(q, "w4a8")
-    a = forward_ms(q, rows)
+    ms = {k: v / 1e3 for k, v in best_us({"dense": forward(dense_model.model, rows), "exact": forward(q, rows, "exact"),
+                                          "w4a8": forward(q, rows, "w4a8")}, 1, rounds=5).items()}
+    d, e, a = ms["dense"], ms["exact"], ms["w4a8"]
     print(f"forward, {rows} rows: dense {d:.1f} ms | exact {e:.1f} ms ({d / e:.2f}x) | w4a8 {a:.1f} ms ({d / a:.2f}x)")
