@@ -202,8 +202,9 @@ def test_a_dense_piece_makes_the_weight_dense():
 @pytest.mark.skipif("avx2" not in cpu_features.supported_isas() or cpu_features.best_isa() == "avx2",
                     reason="the AVX2 build is the default here (or this CPU has no AVX2)")
 def test_the_avx2_build_matches_the_references_too(tmp_path):
-    """The AVX2 build (maddubs instead of vpdpbusd, 8-lane FMAs) in a process of its own: both builds
-    register the same op names, so one process holds one."""
+    """The AVX2 build (maddubs instead of vpdpbusd, 8-lane FMAs; the interleaved kernels read one 16-column
+    panel as two 8-lane vectors) in a process of its own: both builds register the same op names, so one
+    process holds one."""
     code = (
         "import torch; from tokenloom import kernels; assert kernels.load() and kernels.isa() == 'avx2'\n"
         "from tokenloom.kernels import quant\n"
@@ -213,6 +214,14 @@ def test_the_avx2_build_matches_the_references_too(tmp_path):
         "    args = (w.qweight, w.scales, w.mins, bits, block)\n"
         "    assert t._rel(quant.quant_matmul(x, *args), quant.quant_matmul_reference(x, *args)) < t.EXACT_TOL\n"
         "    assert t._rel(quant.quant_matmul_a8(x, *args), quant.quant_matmul_a8_reference(x, *args)) < t.A8_TOL\n"
+        "    panels = quant.interleave(*args)\n"
+        "    for rows in (1, 2, 5, 33):\n"
+        "        x = torch.randn(rows, 576)\n"
+        "        exact = quant.quant_gemm(x, *panels, 37, bits, block)\n"
+        "        assert t._rel(exact, quant.quant_matmul_reference(x, *args)) < t.EXACT_TOL\n"
+        "        assert torch.equal(quant.quant_gemm(x[:1], *panels, 37, bits, block)[0], exact[0])\n"
+        "        a8 = quant.quant_gemm_a8(x, *panels, 37, bits, block)\n"
+        "        assert t._rel(a8, quant.quant_matmul_a8_reference(x, *args)) < t.A8_TOL\n"
         "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(__file__), env={**os.environ, "TOKENLOOM_KERNEL_ISA": "avx2"})

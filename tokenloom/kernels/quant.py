@@ -7,6 +7,11 @@ bits 8: [N, K]) with float32 `scales` and `mins` [N, K/block]: w = q * scale + m
 - `quant_matmul` (exact): float32 activations times the weight dequantized inside the kernel.
 - `quant_matmul_a8` (W4A8): activations quantized to int8 per 32-value block (scale amax/127, round half
   to even), integer dot products per block, then scaled: as llama.cpp multiplies Q4 by Q8 blocks.
+
+`quant_gemm` / `quant_gemm_a8` (csrc/quant_gemm.cpp) compute the same two products on the weight's
+column-interleaved form (`interleave`): 16 output columns side by side, one SIMD lane each, so the kernels
+need no horizontal sums and stay fast at hundreds of rows. `panel_rows` reads rows back out of that form
+(the embedding lookup of a tied table that is only kept interleaved).
 """
 from __future__ import annotations
 
@@ -74,6 +79,53 @@ def quant_matmul_a8_reference(x: torch.Tensor, qweight, scales, mins, bits: int,
     return out.float().reshape(*x.shape[:-1], n)
 
 
+PANEL = 16          # output columns side by side in the interleaved form (one 512-bit vector of int32)
+TILE_COLUMNS = 32   # columns a kernel tile: the interleaved N is padded to a multiple of it
+
+
+def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row-major blocks -> (qpacked uint8 [P, K/32, 16*32*bits/8], scales and mins float32 [P, K/block, 16]).
+
+    P = N padded to 32, over 16. Per (panel, 32-block), 8-bit: group g (64 bytes) holds each column's
+    elements 4g..4g+3 in its 4 bytes, columns side by side; 4-bit: 4 groups whose low nibbles are groups
+    0..3 of the 8-bit form and high nibbles groups 4..7 (csrc/quant_gemm.cpp reads it so).
+    """
+    q = unpacked(qweight, bits)
+    n, k = q.shape
+    pad = -n % TILE_COLUMNS
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scales, mins = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, mins))
+    panels = (n + pad) // PANEL
+    groups = q.reshape(panels, PANEL, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [P, K/32, group, column, byte]
+    if bits == 4:
+        groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
+    qpacked = groups.reshape(panels, k // 32, -1).contiguous()
+    return (qpacked, *(t.reshape(panels, PANEL, -1).permute(0, 2, 1).contiguous() for t in (scales, mins)))
+
+
+def panel_rows(qpacked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+               rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weight rows (output columns) `rows` of the interleaved form: (uint8 [R, K] one element a byte,
+    scales and mins [R, K/block]), the row-major form's `unpacked(...)[rows]`, `scales[rows]`, `mins[rows]`."""
+    panels, nb = qpacked.shape[:2]
+    groups = qpacked.reshape(panels, nb, -1, PANEL, 4)
+    panel, lane = rows // PANEL, rows % PANEL
+    got = groups[panel, :, :, lane]  # [R, K/32, groups, 4]
+    if bits == 4:
+        got = torch.cat([got & 0xF, got >> 4], dim=2)
+    return got.reshape(rows.shape[0], -1), scales[panel, :, lane], mins[panel, :, lane]
+
+
+def quant_gemm(x, qpacked, scales, mins, n: int, bits: int, block_size: int) -> torch.Tensor:
+    return torch.ops.tokenloom.quant_gemm(x, qpacked, scales, mins, n, bits, block_size)
+
+
+def quant_gemm_a8(x, qpacked, scales, mins, n: int, bits: int, block_size: int) -> torch.Tensor:
+    return torch.ops.tokenloom.quant_gemm_a8(x, qpacked, scales, mins, n, bits, block_size)
+
+
 def quant_matmul(x, qweight, scales, mins, bits: int, block_size: int) -> torch.Tensor:
     return torch.ops.tokenloom.quant_matmul(x, qweight, scales, mins, bits, block_size)
 
@@ -87,6 +139,10 @@ def _register_fakes() -> None:
         @torch.library.register_fake(name)
         def _fake(x, qweight, scales, mins, bits, block_size):
             return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    for name in ("tokenloom::quant_gemm", "tokenloom::quant_gemm_a8"):
+        @torch.library.register_fake(name)
+        def _fake_gemm(x, qpacked, scales, mins, n, bits, block_size):
+            return x.new_empty((*x.shape[:-1], n))
 
 
 if kernels.load():

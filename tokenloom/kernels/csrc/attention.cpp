@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -70,6 +71,89 @@ inline void axpy(float* acc, float w, const T* v, int64_t dim) {
   for (; d < dim; ++d) acc[d] += w * to_float(v[d]);
 }
 
+// ---- register-blocked paths for head dims that are a multiple of the vector width ---------------------------
+// The generic loops above spend most of their instructions outside the multiply-adds: a horizontal sum per
+// (key, query head), and a load and store of the accumulator per value row. Below, one query head at a time:
+// its q (and its output accumulator) stay in NV registers for the whole partition; keys are scored 16 at a
+// time (AVX512) with one transpose-and-add tree for the 16 sums (~45 instructions instead of 16 horizontal
+// sums). Batch invariance is kept: the instruction sequence depends only on the partition's length.
+#if defined(__AVX512F__)
+// r[i] = sum of v[i]'s 16 lanes, for 16 vectors at once.
+inline __m512 reduce16(__m512* v) {
+  __m512 t[8];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  __m512 x[4];
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sum of 4 consecutive vectors
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44), _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+#endif
+
+template <typename T, int NV>
+inline void score_keys(const float* q, const T* const* rows, int64_t n, float scale, bool prefetch, float* out) {
+  vf qv[NV];
+  for (int d = 0; d < NV; ++d) qv[d] = vload(q + d * VL);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    if (prefetch)
+      for (int64_t j = i + 16; j < std::min<int64_t>(n, i + 32); ++j) prefetch_row(rows[j], NV * VL);
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      vf a = vmul(qv[0], load_kv<T>(rows[i + j]));
+      for (int d = 1; d < NV; ++d) a = vfma(qv[d], load_kv<T>(rows[i + j] + d * VL), a);
+      acc[j] = a;
+    }
+    vstore(out + i, vmul(reduce16(acc), vset1(scale)));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (prefetch && i + PREFETCH_AHEAD < n) prefetch_row(rows[i + PREFETCH_AHEAD], NV * VL);
+    vf a = vmul(qv[0], load_kv<T>(rows[i]));
+    for (int d = 1; d < NV; ++d) a = vfma(qv[d], load_kv<T>(rows[i] + d * VL), a);
+    out[i] = vsum(a) * scale;
+  }
+}
+
+template <typename T, int NV>
+inline void weigh_values(const float* w, const T* const* rows, int64_t n, bool prefetch, float* out) {
+  vf acc[NV];
+  for (int d = 0; d < NV; ++d) acc[d] = vzero();
+  for (int64_t i = 0; i < n; ++i) {
+    if (prefetch && i + PREFETCH_AHEAD < n) prefetch_row(rows[i + PREFETCH_AHEAD], NV * VL);
+    const vf wv = vset1(w[i]);
+    for (int d = 0; d < NV; ++d) acc[d] = vfma(wv, load_kv<T>(rows[i] + d * VL), acc[d]);
+  }
+  for (int d = 0; d < NV; ++d) vstore(out + d * VL, acc[d]);
+}
+
+// One task's scores (scaled) and weighted values for G query heads with the register-blocked paths; false
+// when head_dim has no instantiation (the generic loops run instead).
+template <typename T>
+bool blocked_task(const float* qh, int64_t q_head_stride, int64_t G, int64_t D, const T* const* krows,
+                  const T* const* vrows, int64_t n, float scale, float* scores, float* acc, bool values) {
+  auto run = [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t g = 0; g < G; ++g) {
+      if (values) weigh_values<T, NV>(scores + g * PARTITION, vrows, n, g == 0, acc + g * D);
+      else score_keys<T, NV>(qh + g * q_head_stride, krows, n, scale, g == 0, scores + g * PARTITION);
+    }
+    return true;
+  };
+  if (D % VL) return false;
+  switch (D / VL) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 16: return run(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+
 struct Task {
   int64_t seq, kv_head, first, last;  // tokens [first, last)
   int64_t slot;                       // index of this partition's partial result
@@ -106,6 +190,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(G * PARTITION));
     std::vector<float> acc(static_cast<size_t>(G * D));
+    std::vector<const T*> krows(PARTITION), vrows(PARTITION);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int32_t* table = tables + task.seq * table_width;
@@ -125,11 +210,17 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
                task.kv_head * head_stride;
       };
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = task.first + i;
-        if (i + PREFETCH_AHEAD < n) prefetch_row(row(k_base, pos + PREFETCH_AHEAD), D);
-        const T* k = k_base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-                     task.kv_head * head_stride;
-        for (int64_t g = 0; g < G; ++g) scores[g * PARTITION + i] = dot<T>(qh + g * q_head_stride, k, D) * scale;
+        krows[i] = row(k_base, task.first + i);
+        vrows[i] = row(v_base, task.first + i);
+      }
+      const bool blocked = blocked_task<T>(qh, q_head_stride, G, D, krows.data(), vrows.data(), n, scale,
+                                           scores.data(), acc.data(), false);
+      if (!blocked) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (i + PREFETCH_AHEAD < n) prefetch_row(krows[i + PREFETCH_AHEAD], D);
+          for (int64_t g = 0; g < G; ++g)
+            scores[g * PARTITION + i] = dot<T>(qh + g * q_head_stride, krows[i], D) * scale;
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * PARTITION;
@@ -150,13 +241,14 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         out_rec[g * rec + D] = m;
         out_rec[g * rec + D + 1] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = task.first + i;
-        if (i + PREFETCH_AHEAD < n) prefetch_row(row(v_base, pos + PREFETCH_AHEAD), D);
-        const T* v = v_base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-                     task.kv_head * head_stride;
-        for (int64_t g = 0; g < G; ++g) axpy<T>(acc.data() + g * D, scores[g * PARTITION + i], v, D);
+      if (blocked) {
+        blocked_task<T>(qh, q_head_stride, G, D, krows.data(), vrows.data(), n, scale, scores.data(), acc.data(), true);
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t i = 0; i < n; ++i) {
+          if (i + PREFETCH_AHEAD < n) prefetch_row(vrows[i + PREFETCH_AHEAD], D);
+          for (int64_t g = 0; g < G; ++g) axpy<T>(acc.data() + g * D, scores[g * PARTITION + i], vrows[i], D);
+        }
       }
       for (int64_t g = 0; g < G; ++g) std::copy(acc.data() + g * D, acc.data() + (g + 1) * D, out_rec + g * rec);
     }

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_activations.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -119,42 +121,10 @@ void tile_exact(const float* x, int64_t ldx, const Weight& w, int64_t n0, float*
     for (int c = 0; c < NC; ++c) out[r * ldo + n0 + c] = vsum(acc[r][c]);
 }
 
-// ---- W4A8: activations as int8 per 32-value block ---------------------------------------------
-constexpr int XB = 32;  // activation block
-
-// Per activation block: dx (scale), dx*sum(q), dx*sum(q[0:16]), dx*sum(q[16:32]).
-struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> meta;
-};
-
-void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedX& out) {
-  const int64_t nb = K / XB;
-  out.q.resize(M * K);
-  out.meta.resize(M * nb * 4);
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / nb, b = i % nb;
-      const float* src = x + r * K + b * XB;
-      float amax = 0.f;
-      for (int j = 0; j < XB; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float id = amax > 0.f ? 127.f / amax : 0.f;
-      const float dx = amax / 127.f;
-      int8_t* dst = out.q.data() + r * K + b * XB;
-      int lo = 0, hi = 0;
-      for (int j = 0; j < XB; ++j) {
-        const int v = static_cast<int>(std::nearbyint(src[j] * id));
-        dst[j] = static_cast<int8_t>(v);
-        (j < XB / 2 ? lo : hi) += v;
-      }
-      float* meta = out.meta.data() + i * 4;
-      meta[0] = dx;
-      meta[1] = dx * static_cast<float>(lo + hi);
-      meta[2] = dx * static_cast<float>(lo);
-      meta[3] = dx * static_cast<float>(hi);
-    }
-  });
-}
+// ---- W4A8: activations as int8 per 32-value block (quant_activations.h) --------------------------
+using tokenloom_quant::QuantizedX;
+using tokenloom_quant::quantize_rows;
+using tokenloom_quant::XB;
 
 // 32 weight values as unsigned bytes, in element order.
 template <int BITS>

@@ -3,7 +3,7 @@
 The loader puts a `QuantizedSlot` in place of each linear layer's (and the embedding's) weight, the
 parallel layers' own `load` code fills it with their shard, and `finalize_quantized` turns each slot
 into a `QuantizedWeight` with `QuantizedLinearMethod` (or back into a dense parameter when a piece came
-dense). So tensor parallelism and quantization compose: a column-parallel layer narrows rows, a
+dense), kept in the column-interleaved form the kernels read fastest at any batch size. So tensor parallelism and quantization compose: a column-parallel layer narrows rows, a
 row-parallel one whole blocks of columns, the vocabulary layers rows.
 
 Two numeric paths, chosen by `--quantized-matmul`:
@@ -67,7 +67,7 @@ def finalize_quantized(model: nn.Module, dtype: torch.dtype, mode: str = "exact"
         weight = slot.finalize(f"{name}.weight")
         del module.weight
         if isinstance(weight, QuantizedWeight):
-            module.weight = weight
+            module.weight = weight.interleaved()
             if hasattr(module, "method"):
                 module.method = QUANTIZED
         else:

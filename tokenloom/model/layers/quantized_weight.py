@@ -6,6 +6,12 @@ GGUF blocks repack into it without changing a weight (tokenloom/model/loader/ggu
 shards like a tensor: rows for column-parallel layers and the vocabulary, columns (whole blocks) for
 row-parallel ones; a column cut inside a block falls back to the dense slice.
 
+Row-major blocks are the form for loading and sharding. Once a layer's weight is whole,
+`finalize_quantized` swaps them for the column-interleaved `Panels` (`interleaved()`), the form the
+fast many-row kernels read (csrc/quant_gemm.cpp), and drops the row-major copy: the weight's bytes
+stay the same. Everything else still works on the interleaved form (rows are read back out of it for
+an embedding lookup; sharding it again rebuilds the row-major blocks).
+
 `QuantizedSlot` stands in for a layer's `weight` while the checkpoint loads: the parallel layers'
 `load` code narrows it and copies pieces into it as into a tensor, and `finalize` assembles the
 pieces (a merged QKV of Q4_K and Q6_K parts converts both, losslessly, to their common form).
@@ -18,36 +24,77 @@ import torch
 
 
 @dataclass
+class Panels:
+    """The column-interleaved form (tokenloom/kernels/quant.py `interleave`) of an [N, K] weight."""
+    qpacked: torch.Tensor  # uint8 [P, K/32, 16*32*bits/8], P = N padded to 32, over 16
+    scales: torch.Tensor   # float32 [P, K/block_size, 16]
+    mins: torch.Tensor     # float32 [P, K/block_size, 16]
+    columns: int           # N
+
+
+@dataclass
 class QuantizedWeight:
-    qweight: torch.Tensor  # uint8 [N, K * bits / 8]
-    scales: torch.Tensor   # float32 [N, K / block_size]
-    mins: torch.Tensor     # float32 [N, K / block_size]
-    bits: int              # 4 or 8
-    block_size: int        # 32, or 16 for 8-bit
+    qweight: torch.Tensor | None  # uint8 [N, K * bits / 8]; None once only the interleaved form is kept
+    scales: torch.Tensor | None   # float32 [N, K / block_size]
+    mins: torch.Tensor | None     # float32 [N, K / block_size]
+    bits: int                     # 4 or 8
+    block_size: int               # 32, or 16 for 8-bit
     activations_int8: bool = False  # the W4A8 path (else exact: float32 activations)
+    panels: Panels | None = None    # the interleaved form, when built
 
     is_mkldnn = False
     dtype = torch.float32  # what it multiplies like
 
     @property
     def shape(self) -> torch.Size:
+        if self.qweight is None:
+            return torch.Size((self.panels.columns, self.panels.qpacked.shape[1] * 32))
         return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * 8 // self.bits))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+        tensors = [self.qweight, self.scales, self.mins]
+        if self.panels is not None:
+            tensors += [self.panels.qpacked, self.panels.scales, self.panels.mins]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def data(self) -> QuantizedWeight:
         return self
 
+    # ---- forms: row-major blocks and the interleaved panels ------------------------
+    def interleaved(self) -> QuantizedWeight:
+        """This weight holding only the interleaved form (the many-row kernels'; same bytes)."""
+        if self.qweight is None:
+            return self
+        from tokenloom.kernels.quant import interleave
+        qpacked, scales, mins = interleave(self.qweight, self.scales, self.mins, self.bits, self.block_size)
+        return replace(self, qweight=None, scales=None, mins=None,
+                       panels=Panels(qpacked, scales, mins, self.qweight.shape[0]))
+
+    def row_major(self) -> QuantizedWeight:
+        """This weight in row-major blocks (rebuilt from the panels when only they are kept)."""
+        if self.qweight is not None:
+            return replace(self, panels=None) if self.panels is not None else self
+        from tokenloom.kernels.quant import pack_nibbles, panel_rows
+        p = self.panels
+        q, scales, mins = panel_rows(p.qpacked, p.scales, p.mins, self.bits, torch.arange(p.columns))
+        return replace(self, qweight=pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins, panels=None)
+
     # ---- sharding --------------------------------------------------------------
     def rows(self, start: int, size: int) -> QuantizedWeight:
-        return replace(self, qweight=self.qweight[start:start + size], scales=self.scales[start:start + size],
-                       mins=self.mins[start:start + size])
+        w = self.row_major()
+        return replace(w, qweight=w.qweight[start:start + size], scales=w.scales[start:start + size],
+                       mins=w.mins[start:start + size])
 
     def index_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        return replace(self, qweight=self.qweight[index], scales=self.scales[index], mins=self.mins[index])
+        if self.qweight is None:
+            from tokenloom.kernels.quant import pack_nibbles, panel_rows
+            q, scales, mins = panel_rows(self.panels.qpacked, self.panels.scales, self.panels.mins, self.bits, index)
+            return replace(self, qweight=pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
+                           panels=None)
+        w = self.row_major()
+        return replace(w, qweight=w.qweight[index], scales=w.scales[index], mins=w.mins[index])
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight | torch.Tensor:
         if dim == 0:
@@ -56,10 +103,11 @@ class QuantizedWeight:
             raise IndexError(f"a weight has 2 dimensions, not {dim + 1}")
         if start % self.block_size or length % self.block_size:  # not on block edges: the dense slice
             return self.dequantize().narrow(1, start, length)
+        w = self.row_major()
         per = self.bits // 4  # half-bytes an element
         b0, nb = start // self.block_size, length // self.block_size
-        return replace(self, qweight=self.qweight[:, start * per // 2:(start + length) * per // 2],
-                       scales=self.scales[:, b0:b0 + nb], mins=self.mins[:, b0:b0 + nb])
+        return replace(w, qweight=w.qweight[:, start * per // 2:(start + length) * per // 2],
+                       scales=w.scales[:, b0:b0 + nb], mins=w.mins[:, b0:b0 + nb])
 
     def __getitem__(self, rows: slice) -> QuantizedWeight:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
@@ -67,30 +115,31 @@ class QuantizedWeight:
         start, stop, _ = rows.indices(self.shape[0])
         return self.rows(start, max(0, stop - start))
 
-    # ---- forms -----------------------------------------------------------------
     def unpacked(self) -> torch.Tensor:
         """uint8 [N, K], one element a byte."""
         from tokenloom.kernels.quant import unpacked
-        return unpacked(self.qweight, self.bits)
+        return unpacked(self.row_major().qweight, self.bits)
 
     def in_form(self, bits: int, block_size: int) -> QuantizedWeight:
         """The same weights as `bits`/`block_size` blocks (only widening: 4->8 bits, 32->16 blocks)."""
+        w = self.row_major()
         if (bits, block_size) == (self.bits, self.block_size):
-            return self
+            return w
         if bits < self.bits or block_size > self.block_size:
             raise ValueError(f"cannot narrow {self.bits}-bit/{self.block_size} blocks to {bits}-bit/{block_size}")
-        q = self.unpacked() if bits == 8 else self.qweight
+        q = w.unpacked() if bits == 8 else w.qweight
         repeat = self.block_size // block_size
-        return replace(self, qweight=q.contiguous(), scales=self.scales.repeat_interleave(repeat, dim=1),
-                       mins=self.mins.repeat_interleave(repeat, dim=1), bits=bits, block_size=block_size)
+        return replace(w, qweight=q.contiguous(), scales=w.scales.repeat_interleave(repeat, dim=1),
+                       mins=w.mins.repeat_interleave(repeat, dim=1), bits=bits, block_size=block_size)
 
     def contiguous(self) -> QuantizedWeight:
-        return replace(self, qweight=self.qweight.contiguous(), scales=self.scales.contiguous(),
-                       mins=self.mins.contiguous())
+        w = self.row_major()
+        return replace(w, qweight=w.qweight.contiguous(), scales=w.scales.contiguous(), mins=w.mins.contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from tokenloom.kernels.quant import dequantize
-        return dequantize(self.qweight, self.scales, self.mins, self.bits, self.block_size).to(dtype)
+        w = self.row_major()
+        return dequantize(w.qweight, w.scales, w.mins, self.bits, self.block_size).to(dtype)
 
     def to(self, target) -> QuantizedWeight | torch.Tensor:
         """A device: this weight (CPU only); a dtype: the dense weight in it (the matmul-dtype modes)."""
@@ -102,9 +151,17 @@ class QuantizedWeight:
 
     # ---- math ------------------------------------------------------------------
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from tokenloom.kernels import quant
-        op = quant.quant_matmul_a8 if self.activations_int8 else quant.quant_matmul
-        out = op(x.float(), self.qweight, self.scales, self.mins, self.bits, self.block_size)
+        """Called ~120 times a decode step, so it goes straight to the ops (the Python wrappers and the
+        import cost ~1 ms a step at batch 1)."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        ops = torch.ops.tokenloom
+        if self.panels is not None:
+            p = self.panels
+            op = ops.quant_gemm_a8 if self.activations_int8 else ops.quant_gemm
+            out = op(xf, p.qpacked, p.scales, p.mins, p.columns, self.bits, self.block_size)
+        else:
+            op = ops.quant_matmul_a8 if self.activations_int8 else ops.quant_matmul
+            out = op(xf, self.qweight, self.scales, self.mins, self.bits, self.block_size)
         if bias is not None:
             out.add_(bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,465 @@
+// Matmuls against quantized weights in the column-interleaved ("panel") layout, fast at many rows.
+//
+// Layout (made by tokenloom/kernels/quant.py `interleave`, from the row-major blocks of quant_matmul.cpp),
+// for a weight [N, K] with N padded to a multiple of 32 columns (zero weights, scales and mins):
+//   qpacked uint8 [N/16, K/32, 16*32*bits/8]: per panel of 16 output columns and 32-value block,
+//     8-bit: 8 groups of 64 bytes; group g holds, per column c, the 4 bytes of elements 4g..4g+3 at
+//            bytes 4c..4c+3: one 512-bit vector = one 32-bit lane per column, 4 K-values a lane;
+//     4-bit: 4 groups of 64 bytes; group g's low nibbles are elements 4g..4g+3 (group g of the 8-bit
+//            form), its high nibbles elements 16+4g..16+4g+3 (group g+4).
+//   scales, mins float32 [N/16, K/block, 16]: one vector of 16 columns per block.
+//
+// W4A8 (quant_gemm_a8): the activation's 4 int8 values of a group are broadcast to every lane and
+// one vpdpbusd (AVX2: maddubs + madd) adds 4 products to each of 16 (8) columns' int32 sums; after
+// each block the sums are scaled by the 16 weight scales as one vector times the activation block's
+// scale, and the `min` term is one FMA against the activation block's precomputed sum. No horizontal
+// reduction anywhere: a column is a lane.
+//
+// Exact (quant_gemm): each thread dequantizes a column tile (CT = 32 columns) over the whole K once
+// into a float buffer [K, CT] (w = fma(q, scale, min), as the reference), then every row tile runs
+// acc[col] = fma(x[r, k], w[k, col], acc[col]) for k = 0..K-1 in order: an outer product in which a
+// row's result is the same sequential FMA chain whatever the number of rows (batch invariant bit for
+// bit), and the decode is paid once per column tile instead of once per row tile.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "quant_activations.h"
+
+namespace {
+
+using tokenloom_quant::QuantizedX;
+using tokenloom_quant::quantize_rows;
+using tokenloom_quant::XB;
+
+constexpr int PANEL = 16;     // columns a panel (one 512-bit vector of int32 lanes)
+constexpr int CT = 32;        // columns a tile; the packed N is padded to a multiple of it
+constexpr int64_t MC = 128;   // rows a work unit: x's rows stay in L2 while a tile's weights pass
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vf = __m512;
+using vi = __m512i;
+constexpr int MR_EXACT = 8;  // 8 rows x 2 vectors = 16 accumulators of 32
+constexpr int MR_A8 = 4;     // 4 rows x 2 vectors x (float + int sums)
+inline vf fzero() { return _mm512_setzero_ps(); }
+inline vf fload(const float* p) { return _mm512_loadu_ps(p); }
+inline void fstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline void fstore_first(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
+inline vf fset1(float v) { return _mm512_set1_ps(v); }
+inline vf ffma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf fmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+inline vi iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi izero() { return _mm512_setzero_si512(); }
+inline vi iset1(int32_t v) { return _mm512_set1_epi32(v); }
+inline vi iand(vi a, vi b) { return _mm512_and_si512(a, b); }
+template <int S> inline vi isrl32(vi a) { return _mm512_srli_epi32(a, S); }
+inline vi isrl16_4(vi a) { return _mm512_srli_epi16(a, 4); }
+inline vi ibyte_set1(char v) { return _mm512_set1_epi8(v); }
+#else
+constexpr int VL = 8;
+using vf = __m256;
+using vi = __m256i;
+constexpr int MR_EXACT = 4;  // 16 ymm registers: 4 rows x 2 vectors + weights + broadcasts
+constexpr int MR_A8 = 2;
+inline vf fzero() { return _mm256_setzero_ps(); }
+inline vf fload(const float* p) { return _mm256_loadu_ps(p); }
+inline void fstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline void fstore_first(float* p, vf a, int n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes), a);
+}
+inline vf fset1(float v) { return _mm256_set1_ps(v); }
+inline vf ffma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf fmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vi iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi izero() { return _mm256_setzero_si256(); }
+inline vi iset1(int32_t v) { return _mm256_set1_epi32(v); }
+inline vi iand(vi a, vi b) { return _mm256_and_si256(a, b); }
+template <int S> inline vi isrl32(vi a) { return _mm256_srli_epi32(a, S); }
+inline vi isrl16_4(vi a) { return _mm256_srli_epi16(a, 4); }
+inline vi ibyte_set1(char v) { return _mm256_set1_epi8(v); }
+#endif
+
+constexpr int NCV = CT / VL;  // vectors a tile row (2 with AVX512, 4 with AVX2)
+
+// acc + the sums of 4 u8*s8 products in each 32-bit lane.
+template <int BITS>
+inline vi dot4(vi acc, vi w, vi x) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, x);
+#elif defined(__AVX512F__)
+  const vi ones = _mm512_set1_epi16(1);
+  if constexpr (BITS == 4) return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
+  const vi low = _mm512_and_si512(w, _mm512_set1_epi8(0x7F)), top = _mm512_and_si512(w, _mm512_set1_epi8(char(0x80)));
+  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(low, x), ones),
+                                                _mm512_madd_epi16(_mm512_maddubs_epi16(top, x), ones)));
+#else
+  const vi ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {  // 15 * 127 * 2 fits int16: maddubs does not saturate
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  } else {  // bytes up to 255 would saturate maddubs: the low 7 bits and the top bit apart
+    const vi low = _mm256_and_si256(w, _mm256_set1_epi8(0x7F));
+    const vi top = _mm256_and_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones),
+                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones)));
+  }
+#endif
+}
+
+struct Packed {
+  const uint8_t* q;
+  const float* scale;
+  const float* min;
+  int64_t nbx;         // 32-value blocks along K
+  int64_t nsb;         // scale blocks along K (K / block size)
+  int64_t block_bytes; // bytes of one (panel, 32-block)
+};
+
+// Where vector `cv` of column tile `t` starts: its panel and its byte / lane offset inside the panel.
+inline int64_t panel_of(int64_t t, int cv) { return t * (CT / PANEL) + cv * VL / PANEL; }
+inline int lane0_of(int cv) { return (cv * VL) % PANEL; }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline void store_cols(float* out, vf a, int64_t col, int64_t n) {
+  if (col + VL <= n) fstore(out, a);
+  else if (col < n) fstore_first(out, a, static_cast<int>(n - col));
+}
+
+// ---- W4A8 -------------------------------------------------------------------------------------------
+template <int BITS, int BS, int MR>
+void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed& w, int64_t t, float* out, int64_t ldo,
+             int64_t n) {
+  vf acc[MR][NCV];
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NCV; ++cv) acc[r][cv] = fzero();
+  const vi nib = ibyte_set1(0x0F);
+  for (int64_t b = 0; b < w.nbx; ++b) {
+    vi slo[MR][NCV], shi[MR][NCV];  // int sums over elements 0..15 and 16..31 (one sum when BS is 32)
+    for (int r = 0; r < MR; ++r)
+      for (int cv = 0; cv < NCV; ++cv) slo[r][cv] = izero(), shi[r][cv] = izero();
+    for (int g = 0; g < 4; ++g) {
+      vi wl[NCV], wh[NCV];
+      for (int cv = 0; cv < NCV; ++cv) {
+        const uint8_t* base = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
+        if constexpr (BITS == 4) {
+          const vi v = iload(base + g * 64);
+          wl[cv] = iand(v, nib);
+          wh[cv] = iand(isrl16_4(v), nib);
+        } else {
+          wl[cv] = iload(base + g * 64);
+          wh[cv] = iload(base + (g + 4) * 64);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq + r * K + b * XB + 4 * g;
+        const vi xl = iset1(load_i32(xr)), xh = iset1(load_i32(xr + 16));
+        for (int cv = 0; cv < NCV; ++cv) {
+          if constexpr (BS == 32) {
+            slo[r][cv] = dot4<BITS>(dot4<BITS>(slo[r][cv], wl[cv], xl), wh[cv], xh);
+          } else {
+            slo[r][cv] = dot4<BITS>(slo[r][cv], wl[cv], xl);
+            shi[r][cv] = dot4<BITS>(shi[r][cv], wh[cv], xh);
+          }
+        }
+      }
+    }
+    for (int cv = 0; cv < NCV; ++cv) {
+      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
+      const vf s0 = fload(w.scale + at), m0 = fload(w.min + at);
+      for (int r = 0; r < MR; ++r) {
+        const float* meta = xmeta + (r * w.nbx + b) * 4;
+        const vf dx = fset1(meta[0]);
+        if constexpr (BS == 32) {
+          acc[r][cv] = ffma(cvt(slo[r][cv]), fmul(s0, dx), acc[r][cv]);
+          acc[r][cv] = ffma(m0, fset1(meta[1]), acc[r][cv]);
+        } else {
+          const vf s1 = fload(w.scale + at + PANEL), m1 = fload(w.min + at + PANEL);
+          acc[r][cv] = ffma(cvt(slo[r][cv]), fmul(s0, dx), acc[r][cv]);
+          acc[r][cv] = ffma(cvt(shi[r][cv]), fmul(s1, dx), acc[r][cv]);
+          acc[r][cv] = ffma(m0, fset1(meta[2]), acc[r][cv]);
+          acc[r][cv] = ffma(m1, fset1(meta[3]), acc[r][cv]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NCV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+}
+
+// ---- exact -------------------------------------------------------------------------------------------
+// Column tile t of the whole weight, dequantized: wbuf[k * CT + c] = fma(q, scale, min).
+template <int BITS, int BS>
+void decode_tile(const Packed& w, int64_t t, float* wbuf) {
+  const vi nib = iset1(0x0F), byte = iset1(0xFF);
+  for (int64_t b = 0; b < w.nbx; ++b) {
+    for (int cv = 0; cv < NCV; ++cv) {
+      const uint8_t* base = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
+      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
+      const vf s0 = fload(w.scale + at), m0 = fload(w.min + at);
+      const vf s1 = BS == 32 ? s0 : fload(w.scale + at + PANEL), m1 = BS == 32 ? m0 : fload(w.min + at + PANEL);
+      float* dst = wbuf + b * 32 * CT + cv * VL;
+      for (int g = 0; g < 4; ++g) {
+        vi lo[4], hi[4];  // byte j of each lane: element 4g+j (lo) and 16+4g+j (hi)
+        if constexpr (BITS == 4) {
+          const vi v = iload(base + g * 64);
+          lo[0] = iand(v, nib), hi[0] = iand(isrl32<4>(v), nib);
+          lo[1] = iand(isrl32<8>(v), nib), hi[1] = iand(isrl32<12>(v), nib);
+          lo[2] = iand(isrl32<16>(v), nib), hi[2] = iand(isrl32<20>(v), nib);
+          lo[3] = iand(isrl32<24>(v), nib), hi[3] = isrl32<28>(v);
+        } else {
+          const vi vl = iload(base + g * 64), vh = iload(base + (g + 4) * 64);
+          lo[0] = iand(vl, byte), hi[0] = iand(vh, byte);
+          lo[1] = iand(isrl32<8>(vl), byte), hi[1] = iand(isrl32<8>(vh), byte);
+          lo[2] = iand(isrl32<16>(vl), byte), hi[2] = iand(isrl32<16>(vh), byte);
+          lo[3] = isrl32<24>(vl), hi[3] = isrl32<24>(vh);
+        }
+        for (int j = 0; j < 4; ++j) {
+          fstore(dst + (4 * g + j) * CT, ffma(cvt(lo[j]), s0, m0));
+          fstore(dst + (16 + 4 * g + j) * CT, ffma(cvt(hi[j]), s1, m1));
+        }
+      }
+    }
+  }
+}
+
+template <typename F>
+inline void unroll4(F&& f) {
+  f(std::integral_constant<int, 0>{}), f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{});
+}
+
+// Byte J of each lane of a group as int32: element 16*HALF + 4g + J of the block (4-bit: its nibble).
+template <int BITS, int HALF, int J>
+inline vi element_of(vi v) {
+  if constexpr (BITS == 4) {
+    constexpr int shift = 8 * J + 4 * HALF;
+    if constexpr (shift == 28) return isrl32<28>(v);
+    else return iand(isrl32<shift>(v), iset1(0x0F));
+  } else {
+    if constexpr (J == 3) return isrl32<24>(v);
+    else return iand(isrl32<8 * J>(v), iset1(0xFF));
+  }
+}
+
+// Few rows (at most MR_EXACT): each block dequantized into registers and used at once, no buffer. The
+// FMAs per element are those of exact_tile over decode_tile's buffer, in the same order (k = 0..K-1),
+// and the dequantized weights the same fma(q, scale, min): so a row's bits match the many-row path.
+template <int BITS, int BS, int MR, int NV>
+void exact_tile_direct(const float* x, int64_t K, const Packed& w, int64_t t, float* out, int64_t ldo, int64_t n) {
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NV; ++cv) acc[r][cv] = fzero();
+  for (int64_t b = 0; b < w.nbx; ++b) {
+    const uint8_t* base[NV];
+    vf s[2][NV], m[2][NV];
+    for (int cv = 0; cv < NV; ++cv) {
+      base[cv] = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
+      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
+      s[0][cv] = fload(w.scale + at), m[0][cv] = fload(w.min + at);
+      s[1][cv] = BS == 32 ? s[0][cv] : fload(w.scale + at + PANEL);
+      m[1][cv] = BS == 32 ? m[0][cv] : fload(w.min + at + PANEL);
+    }
+    auto half = [&](auto h) {
+      constexpr int HALF = decltype(h)::value;
+      for (int g = 0; g < 4; ++g) {
+        vi v[NV];
+        for (int cv = 0; cv < NV; ++cv) v[cv] = iload(base[cv] + (BITS == 4 ? g : g + 4 * HALF) * 64);
+        unroll4([&](auto j) {
+          constexpr int J = decltype(j)::value;
+          vf wv[NV];
+          for (int cv = 0; cv < NV; ++cv) wv[cv] = ffma(cvt(element_of<BITS, HALF, J>(v[cv])), s[HALF][cv], m[HALF][cv]);
+          const int64_t k = b * 32 + 16 * HALF + 4 * g + J;
+          for (int r = 0; r < MR; ++r) {
+            const vf xb = fset1(x[r * K + k]);
+            for (int cv = 0; cv < NV; ++cv) acc[r][cv] = ffma(xb, wv[cv], acc[r][cv]);
+          }
+        });
+      }
+    };
+    half(std::integral_constant<int, 0>{});
+    half(std::integral_constant<int, 1>{});
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+}
+
+template <int MR>
+void exact_tile(const float* x, int64_t K, const float* wbuf, int64_t t, float* out, int64_t ldo, int64_t n) {
+  vf acc[MR][NCV];
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NCV; ++cv) acc[r][cv] = fzero();
+  for (int64_t k = 0; k < K; ++k) {
+    vf wv[NCV];
+    for (int cv = 0; cv < NCV; ++cv) wv[cv] = fload(wbuf + k * CT + cv * VL);
+    for (int r = 0; r < MR; ++r) {
+      const vf xb = fset1(x[r * K + k]);
+      for (int cv = 0; cv < NCV; ++cv) acc[r][cv] = ffma(xb, wv[cv], acc[r][cv]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < NCV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+}
+
+// ---- driver ------------------------------------------------------------------------------------------
+// f(std::integral_constant<int, R>) for R = rows (1..MAX).
+template <int MAX, typename F>
+inline void with_rows(int rows, F&& f) {
+  if constexpr (MAX >= 1) {
+    if (rows == MAX) f(std::integral_constant<int, MAX>{});
+    else with_rows<MAX - 1>(rows, f);
+  }
+}
+
+// Work units: (column tile, chunk of MC rows), tile-major so a thread prepares each of its tiles once
+// (`prepare(t, state)`, on a per-thread `state` from `make_state()`).
+template <int MR, typename MakeState, typename Prepare, typename Tile>
+void run_units(int64_t M, int64_t tiles, MakeState make_state, Prepare prepare, Tile tile) {
+  const int64_t chunks = (M + MC - 1) / MC;
+  at::parallel_for(0, tiles * chunks, 1, [&](int64_t u0, int64_t u1) {
+    auto state = make_state();
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / chunks, m_end = std::min(M, (u % chunks + 1) * MC);
+      prepare(t, state);
+      int64_t m = (u % chunks) * MC;
+      for (; m + MR <= m_end; m += MR) tile(std::integral_constant<int, MR>{}, m, t, state);
+      if (m < m_end) with_rows<MR - 1>(static_cast<int>(m_end - m), [&](auto rows) { tile(rows, m, t, state); });
+    }
+  });
+}
+
+Packed check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales,
+                    const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(block == 32 || (block == 16 && bits == 8), "quant_gemm: unsupported block size ", block, " for ",
+              bits, "-bit weights");
+  const int64_t K = x2.size(1);
+  TORCH_CHECK(K % 32 == 0, "quant_gemm: K must be a multiple of 32, got ", K);
+  const int64_t block_bytes = PANEL * 32 * bits / 8;
+  TORCH_CHECK(qpacked.scalar_type() == at::kByte && qpacked.dim() == 3 && qpacked.is_contiguous() &&
+                  qpacked.size(0) % (CT / PANEL) == 0 && qpacked.size(1) == K / 32 && qpacked.size(2) == block_bytes,
+              "quant_gemm: qpacked must be a contiguous uint8 [panels (even), K/32, ", block_bytes, "] tensor, got ",
+              qpacked.sizes(), " for K=", K);
+  const int64_t panels = qpacked.size(0);
+  TORCH_CHECK(n > panels * PANEL - CT && n <= panels * PANEL, "quant_gemm: n=", n, " does not fit ", panels,
+              " panels");
+  for (const at::Tensor* s : {&scales, &mins}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 && s->size(0) == panels &&
+                    s->size(1) == K / block && s->size(2) == PANEL,
+                "quant_gemm: scales and mins must be contiguous float32 [panels, K/block, 16]");
+  }
+  return Packed{qpacked.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K / 32, K / block,
+                block_bytes};
+}
+
+at::Tensor output_for(const at::Tensor& x, int64_t M, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return at::empty({M, n}, x.options()).view(sizes);
+}
+
+struct DecodedTile {
+  std::vector<float> wbuf;  // [K, CT]
+  int64_t tile = -1;
+};
+
+template <int BITS, int BS>
+void exact_impl(const float* x, int64_t M, int64_t K, const Packed& w, int64_t tiles, float* out, int64_t n) {
+  if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
+        with_rows<2>(static_cast<int>(M), [&](auto rows) {
+          if (t + 1 < tiles) exact_tile_direct<BITS, BS, decltype(rows)::value, 2 * NCV>(x, K, w, t, out, n, n);
+          else exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
+        });
+    });
+    return;
+  }
+  if (M <= MR_EXACT) {  // one row tile: decoding into registers beats a buffer written and read back once
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        with_rows<MR_EXACT>(static_cast<int>(M), [&](auto rows) {
+          exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
+        });
+    });
+    return;
+  }
+  run_units<MR_EXACT>(
+      M, tiles, [&] { return DecodedTile{std::vector<float>(K * CT), -1}; },
+      [&](int64_t t, DecodedTile& s) {
+        if (s.tile != t) decode_tile<BITS, BS>(w, t, s.wbuf.data()), s.tile = t;
+      },
+      [&](auto rows, int64_t m, int64_t t, DecodedTile& s) {
+        exact_tile<decltype(rows)::value>(x + m * K, K, s.wbuf.data(), t, out + m * n, n, n);
+      });
+}
+
+template <int BITS, int BS>
+void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const Packed& w, int64_t tiles, float* out, int64_t n) {
+  run_units<MR_A8>(
+      M, tiles, [] { return 0; }, [](int64_t, int) {},
+      [&](auto rows, int64_t m, int64_t t, int) {
+        a8_tile<BITS, BS, decltype(rows)::value>(xq.q.data() + m * K, xq.meta.data() + m * w.nbx * 4, K, w, t,
+                                                 out + m * n, n, n);
+      });
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qpacked, const at::Tensor& scales,
+                      const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm: x must be float32");
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  const Packed w = check_packed(x2, qpacked, scales, mins, n, bits, block);
+  const int64_t M = x2.size(0), K = x2.size(1), tiles = qpacked.size(0) * PANEL / CT;
+  at::Tensor out = output_for(x, M, n);
+  if (M == 0) return out;
+  const float* xp = x2.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (bits == 4) exact_impl<4, 32>(xp, M, K, w, tiles, o, n);
+  else if (block == 32) exact_impl<8, 32>(xp, M, K, w, tiles, o, n);
+  else exact_impl<8, 16>(xp, M, K, w, tiles, o, n);
+  return out;
+}
+
+at::Tensor quant_gemm_a8(const at::Tensor& x, const at::Tensor& qpacked, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm_a8: x must be float32");
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  const Packed w = check_packed(x2, qpacked, scales, mins, n, bits, block);
+  const int64_t M = x2.size(0), K = x2.size(1), tiles = qpacked.size(0) * PANEL / CT;
+  at::Tensor out = output_for(x, M, n);
+  if (M == 0) return out;
+  QuantizedX xq;
+  quantize_rows(x2.data_ptr<float>(), M, K, xq);
+  float* o = out.data_ptr<float>();
+  if (bits == 4) a8_impl<4, 32>(xq, M, K, w, tiles, o, n);
+  else if (block == 32) a8_impl<8, 32>(xq, M, K, w, tiles, o, n);
+  else a8_impl<8, 16>(xq, M, K, w, tiles, o, n);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("quant_gemm(Tensor x, Tensor qpacked, Tensor scales, Tensor mins, int n, int bits, int block_size) -> Tensor");
+  m.def("quant_gemm_a8(Tensor x, Tensor qpacked, Tensor scales, Tensor mins, int n, int bits, int block_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("quant_gemm", &quant_gemm);
+  m.impl("quant_gemm_a8", &quant_gemm_a8);
+}
