@@ -50,10 +50,11 @@ for c in 1 32; do
   run llama "$LLAMA_PORT" "$c" "$n" 1; run tokenloom "$TL_PORT" "$c" "$n" 1
   run tokenloom "$TL_PORT" "$c" "$n" 2; run llama "$LLAMA_PORT" "$c" "$n" 2
 done
-rss() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status"; }
+rss() { awk '/VmRSS/ {now = $2} /VmHWM/ {peak = $2} END {printf "%.0f now / %.0f peak", now / 1024, peak / 1024}' \
+  "/proc/$1/status"; }
 tl_engine=$(pgrep -P "$tl_pid" | head -1 || true)
 {
-  echo "peak RSS MiB: llama-server $(rss "$llama_pid"); tokenloom API $(rss "$tl_pid")" \
+  echo "RSS MiB after the runs: llama-server $(rss "$llama_pid"); tokenloom API $(rss "$tl_pid")" \
        "${tl_engine:+engine $(rss "$tl_engine")}"
   $PY - "$OUT" <<'PY'
 import glob, json, os, sys
