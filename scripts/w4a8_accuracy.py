@@ -10,7 +10,7 @@ import torch
 from tokenloom import kernels
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import load_model
-from tokenloom.model.loader.resolve import embedded_model_path
+from tokenloom.model.model_path import embedded_model_path
 from tokenloom.tokenizer.tokenizer import Tokenizer
 
 sys.path.insert(0, "tests")
