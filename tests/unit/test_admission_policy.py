@@ -178,3 +178,17 @@ def test_reservations_taken_over_leave_no_work_behind():
     for r, w in zip(reservations, (0.3, 0.1, 0.7, 16.29, 0.0)):
         r.take(1, w)
     assert owner.reserved_seqs == 0 and owner.reserved_work == 0.0
+
+
+def test_a_step_that_carried_a_prefill_chunk_does_not_make_decode_look_slower():
+    """32 sequences decoding while 480 prompt tokens are prefilled in the same 0.6 s steps: a decode step of 33
+    is expected to cost its share (u x (F + 33)), not the whole prefill-laden period (the quiet-machine
+    benchmark's 32 streams were refused at 66 s expected for 8 s of real work before this)."""
+    est = LoadEstimator()
+    t = 0.0
+    for _ in range(6):
+        t += 0.6
+        est.observe_step(t, output_tokens=32, step_tokens=32 + 480, running=32, busy_after=True)
+    unit = 0.6 / (F + 32 + 480 * PROMPT_TOKEN_WEIGHT)
+    assert est.step_seconds(33) == pytest.approx(unit * (F + 33))
+    assert est.step_seconds(33) < 0.6 / 2

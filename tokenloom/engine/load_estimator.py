@@ -5,9 +5,11 @@ it down; a 10 s average lagged a sudden 4x slow-down by most of a full batch's r
 sequences it ran and the decode-equivalent tokens it completed (output tokens, plus prompt tokens weighted
 `PROMPT_TOKEN_WEIGHT`). From them, for a batch of b sequences:
 
-* `step_seconds(b)`: what one sequence waits for each of its tokens. A step costs a fixed part plus a part
-  per sequence, step(b) ~ step(m) x (F + b) / (F + m) from the measured batch m, with F =
-  `BATCH_OVERHEAD_SEQS`;
+* `step_seconds(b)`: what one sequence waits for each of its tokens in a decode step of b sequences. A step
+  costs a fixed part plus a part per decode-equivalent token, step = u x (F + work), with F =
+  `BATCH_OVERHEAD_SEQS`; u is averaged over the measured steps, so a step that also carried a prefill chunk
+  counts as the heavier step it was (taking its period as a decode step's made a batch of 32 look 3x slower
+  than it decodes, and refused requests that finished in 8 s as taking 66 s);
 * `throughput(b)`: decode-equivalent tokens per second at b sequences, the drain rate of a queue.
 
 A step's period is the time since the previous step's output when the engine stayed busy in between (it had
@@ -53,15 +55,17 @@ class LoadEstimator:
         # per step: seconds, sequences running, decode-equivalent tokens (the prior until measured: one
         # sequence's step, at which a full batch of DEFAULT_BATCH makes DEFAULT_OUTPUT_RATE)
         full = DEFAULT_BATCH / DEFAULT_OUTPUT_RATE
-        self._seconds = full * (BATCH_OVERHEAD_SEQS + 1) / (BATCH_OVERHEAD_SEQS + DEFAULT_BATCH)
-        self._batch = self._work = 1.0
+        self._unit = full / (BATCH_OVERHEAD_SEQS + DEFAULT_BATCH)  # seconds per decode-equivalent token, F included
+        self._seconds = self._unit * (BATCH_OVERHEAD_SEQS + 1)
+        self._work = 1.0
         self._last: float | None = None  # timestamp of the previous step, when the engine stayed busy after it
         self.updated = time.monotonic()  # when the figures were last calibrated or measured
 
     def calibrate(self, warmup_decode_seconds: float) -> None:
         """The prior from the engine's warm-up decode step of one sequence (seconds; 0: unknown, keep the default)."""
         if warmup_decode_seconds > 0 and not self.measured:
-            self._seconds, self._batch, self._work = PRIOR_MARGIN * warmup_decode_seconds, 1.0, 1.0
+            self._seconds, self._work = PRIOR_MARGIN * warmup_decode_seconds, 1.0
+            self._unit = self._seconds / (BATCH_OVERHEAD_SEQS + 1)
             self.updated = time.monotonic()
 
     def observe_step(self, timestamp: float, output_tokens: int, step_tokens: int, running: int,
@@ -75,15 +79,15 @@ class LoadEstimator:
         if not 0 < period <= MAX_STEP_PERIOD_S:
             return
         work = output_tokens + max(0, step_tokens - output_tokens) * PROMPT_TOKEN_WEIGHT
-        batch = max(1, running, output_tokens)
+        unit = period / (BATCH_OVERHEAD_SEQS + max(1.0, work, running))
         self.updated = time.monotonic()
         if not self.measured:
-            self._seconds, self._batch, self._work, self.measured = period, batch, work, True
+            self._seconds, self._work, self._unit, self.measured = period, work, unit, True
             return
         a = STEP_ALPHA
         self._seconds = (1 - a) * self._seconds + a * period
-        self._batch = (1 - a) * self._batch + a * batch
         self._work = (1 - a) * self._work + a * work
+        self._unit = (1 - a) * self._unit + a * unit
 
     @property
     def rate(self) -> float:
@@ -92,7 +96,7 @@ class LoadEstimator:
 
     def step_seconds(self, batch: int) -> float:
         """Expected seconds of one engine step with `batch` sequences: between two tokens of each."""
-        return self._seconds * (BATCH_OVERHEAD_SEQS + batch) / (BATCH_OVERHEAD_SEQS + self._batch)
+        return self._unit * (BATCH_OVERHEAD_SEQS + batch)
 
     def alone_seconds(self, batch: int) -> float:
         """step_seconds without the prior's safety margin: what a request running alone is expected to see."""
@@ -103,5 +107,4 @@ class LoadEstimator:
 
     def throughput(self, batch: int) -> float:
         """Decode-equivalent tokens per second with `batch` sequences running."""
-        per_sequence = self._work / max(self._batch, 1.0)
-        return max(per_sequence * max(batch, self._batch) / self.step_seconds(batch), 1e-3)
+        return max(max(batch, 1) / self.step_seconds(batch), 1e-3)
