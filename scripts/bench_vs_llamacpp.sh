@@ -2,7 +2,8 @@
 # tokenloom and llama.cpp side by side on one GGUF, in one run (issue 15's and 18's comparisons):
 # llama-bench pp512/tg128 against tokenloom's offline prefill, then llama-server and tokenloom serve up
 # at once, `tokenloom bench serve` at concurrency 1 and 32 against each in turn (llama.cpp first, then
-# tokenloom, then the same again in the other order), then each server's peak RSS.
+# tokenloom, then the same again in the other order, on fresh prompts: neither prefix cache hits), then
+# each server's RSS.
 #
 #   LLAMA_BIN=/path/to/llama.cpp/build/bin scripts/bench_vs_llamacpp.sh [MODEL.gguf] [tokenloom serve flags...]
 #
@@ -41,7 +42,7 @@ done
 
 run() {  # name port concurrency prompts round
   $TL bench serve --base-url "http://127.0.0.1:$2" --endpoint completions --dataset random --input-len 225 \
-    --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 \
+    --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 --seed "$5" \
     --json "$OUT/$1_c$3_r$5.json" > "$OUT/$1_c$3_r$5.log" 2>&1 || echo "($1, concurrency $3, round $5: some requests failed; see its log)"
 }
 for c in 1 32; do
