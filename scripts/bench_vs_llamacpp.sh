@@ -42,7 +42,7 @@ done
 
 run() {  # name port concurrency prompts round
   $TL bench serve --base-url "http://127.0.0.1:$2" --endpoint completions --dataset random --input-len 225 \
-    --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 --seed "$5" \
+    --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 --seed "$3$5" \
     --json "$OUT/$1_c$3_r$5.json" > "$OUT/$1_c$3_r$5.log" 2>&1 || echo "($1, concurrency $3, round $5: some requests failed; see its log)"
 }
 for c in 1 32; do
