@@ -24,7 +24,9 @@ API_SERVER_THEN_REPORT = """
 import sys
 import tokenloom.entrypoints.openai.api_server
 from tokenloom.model.model_path import resolve_model_path
+from tokenloom.entrypoints.compat import apply_threads
 resolve_model_path(None)
+apply_threads(1)  # --threads: the engine processes read it from OMP_NUM_THREADS
 print("torch imported:", "torch" in sys.modules)
 """
 

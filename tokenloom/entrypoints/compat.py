@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from tokenloom.config import ConfigError, env_default
 
@@ -106,9 +107,10 @@ def apply_threads(threads: int | None) -> None:
     """Set the compute threads of this process and of the engine processes it starts."""
     if threads is None:
         return
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # torch reads it when it is first imported (engine processes)
+    torch = sys.modules.get("torch")  # the API server process never imports it (it would cost ~180 MB there)
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def read_chat_template(value: str | None) -> str | None:
