@@ -130,26 +130,17 @@ inline void weigh_values(const float* w, const T* const* rows, int64_t n, bool p
   for (int d = 0; d < NV; ++d) vstore(out + d * VL, acc[d]);
 }
 
-// One task's scores (scaled) and weighted values for G query heads with the register-blocked paths; false
-// when head_dim has no instantiation (the generic loops run instead).
-template <typename T>
-bool blocked_task(const float* qh, int64_t q_head_stride, int64_t G, int64_t D, const T* const* krows,
-                  const T* const* vrows, int64_t n, float scale, float* scores, float* acc, bool values) {
-  auto run = [&](auto nv) {
-    constexpr int NV = decltype(nv)::value;
-    for (int64_t g = 0; g < G; ++g) {
-      if (values) weigh_values<T, NV>(scores + g * PARTITION, vrows, n, g == 0, acc + g * D);
-      else score_keys<T, NV>(qh + g * q_head_stride, krows, n, scale, g == 0, scores + g * PARTITION);
-    }
-    return true;
-  };
+// Calls f with std::integral_constant<int, head_dim / VL> when the register-blocked paths have an
+// instantiation for head_dim; false when they do not (the generic loops run instead).
+template <typename F>
+bool with_vectors_per_head(int64_t D, F f) {
   if (D % VL) return false;
   switch (D / VL) {
-    case 1: return run(std::integral_constant<int, 1>{});
-    case 2: return run(std::integral_constant<int, 2>{});
-    case 4: return run(std::integral_constant<int, 4>{});
-    case 8: return run(std::integral_constant<int, 8>{});
-    case 16: return run(std::integral_constant<int, 16>{});
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    case 16: f(std::integral_constant<int, 16>{}); return true;
     default: return false;
   }
 }
@@ -213,8 +204,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         krows[i] = row(k_base, task.first + i);
         vrows[i] = row(v_base, task.first + i);
       }
-      const bool blocked = blocked_task<T>(qh, q_head_stride, G, D, krows.data(), vrows.data(), n, scale,
-                                           scores.data(), acc.data(), false);
+      const bool blocked = with_vectors_per_head(D, [&](auto nv) {
+        for (int64_t g = 0; g < G; ++g)
+          score_keys<T, decltype(nv)::value>(qh + g * q_head_stride, krows.data(), n, scale, g == 0,
+                                             scores.data() + g * PARTITION);
+      });
       if (!blocked) {
         for (int64_t i = 0; i < n; ++i) {
           if (i + PREFETCH_AHEAD < n) prefetch_row(krows[i + PREFETCH_AHEAD], D);
@@ -242,7 +236,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         out_rec[g * rec + D + 1] = sum;
       }
       if (blocked) {
-        blocked_task<T>(qh, q_head_stride, G, D, krows.data(), vrows.data(), n, scale, scores.data(), acc.data(), true);
+        with_vectors_per_head(D, [&](auto nv) {
+          for (int64_t g = 0; g < G; ++g)
+            weigh_values<T, decltype(nv)::value>(scores.data() + g * PARTITION, vrows.data(), n, g == 0,
+                                                 acc.data() + g * D);
+        });
       } else {
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t i = 0; i < n; ++i) {
