@@ -106,6 +106,58 @@ def test_a_packed_weight_of_the_wrong_width_is_refused():
         quant.quant_gemm(torch.randn(2, 64), *panels, 70, 4, 32)
 
 
+# ---- float16 block scales --------------------------------------------------------------------------------
+def _gguf_like(n, k, bits, block, seed=0):
+    """Scales that are float16 values and mins a scale times -8, as GGUF's Q4_0 stores them."""
+    w = _random_weight(n, k, bits, block, seed)
+    w.scales = w.scales.half().float()
+    w.mins = w.scales * -8.0
+    return w
+
+
+def test_scales_that_are_float16_values_are_interleaved_as_float16():
+    w = _gguf_like(COLUMNS, 64, 4, 32)
+    _, scales, mins = interleave(w.qweight, w.scales, w.mins, 4, 32)
+    assert scales.dtype == mins.dtype == torch.float16
+
+
+def test_scales_a_float16_would_round_stay_float32():
+    w = _random_weight(COLUMNS, 64, 4, 32)  # float32 draws: most are not float16 values
+    _, scales, mins = interleave(w.qweight, w.scales, w.mins, 4, 32)
+    assert scales.dtype == mins.dtype == torch.float32
+
+
+def test_rows_read_back_from_float16_panels_are_the_float32_row_major_ones():
+    w = _gguf_like(COLUMNS, 128, 4, 32)
+    q, scales, mins = panel_rows(*interleave(w.qweight, w.scales, w.mins, 4, 32), 4, torch.arange(COLUMNS))
+    assert scales.dtype == torch.float32
+    assert torch.equal(scales, w.scales) and torch.equal(mins, w.mins)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("op", ["quant_gemm", "quant_gemm_a8"])
+@pytest.mark.parametrize("bits,block", FORMATS)
+def test_float16_scales_give_the_float32_scales_products_bit_for_bit(op, bits, block):
+    quant = _ops()
+    w = _gguf_like(100, 256, bits, block, seed=5)
+    qpacked, scales, mins = interleave(w.qweight, w.scales, w.mins, bits, block)
+    assert scales.dtype == torch.float16
+    fn = getattr(quant, op)
+    for rows in (1, 2, 5, 40):
+        x = torch.randn(rows, 256)
+        assert torch.equal(fn(x, qpacked, scales, mins, 100, bits, block),
+                           fn(x, qpacked, scales.float(), mins.float(), 100, bits, block)), rows
+
+
+@pytest.mark.kernels
+def test_scales_and_mins_of_different_dtypes_are_refused():
+    quant = _ops()
+    w = _gguf_like(COLUMNS, 64, 4, 32)
+    qpacked, scales, mins = interleave(w.qweight, w.scales, w.mins, 4, 32)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        quant.quant_gemm(torch.randn(2, 64), qpacked, scales, mins.float(), COLUMNS, 4, 32)
+
+
 # ---- QuantizedWeight in the interleaved form -------------------------------------------------------------
 @pytest.mark.parametrize("bits,block", FORMATS)
 def test_an_interleaved_weight_keeps_its_values_and_shards_as_before(bits, block):

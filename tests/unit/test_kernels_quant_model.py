@@ -44,6 +44,13 @@ def test_quantized_weights_take_a_fraction_of_the_dense_bytes(quantized, dense):
     assert quantized.bytes < dense.bytes / 4
 
 
+def test_the_embedded_q4_1_and_q8_0_weights_keep_float16_block_scales(quantized):
+    """Q4_1's scales and mins and Q8_0's scales are float16 in the file: every panel keeps them so."""
+    from tokenloom.model.layers.quantized_linear import quantized_weights
+    for w in quantized_weights(quantized.model):
+        assert w.panels.scales.dtype == w.panels.mins.dtype == torch.float16
+
+
 def test_exact_path_logits_match_the_dequantized_float32_model(quantized, dense):
     got = helpers.last_logits(quantized.model, PROMPTS)
     want = helpers.last_logits(dense.model, PROMPTS)

@@ -7,7 +7,10 @@
 //            bytes 4c..4c+3: one 512-bit vector = one 32-bit lane per column, 4 K-values a lane;
 //     4-bit: 4 groups of 64 bytes; group g's low nibbles are elements 4g..4g+3 (group g of the 8-bit
 //            form), its high nibbles elements 16+4g..16+4g+3 (group g+4).
-//   scales, mins float32 [N/16, K/block, 16]: one vector of 16 columns per block.
+//   scales, mins float32 or float16 [N/16, K/block, 16]: one vector of 16 columns per block. float16 when
+//     every value is one exactly (GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 keep float16 block scales, and their
+//     mins are the scale times -8, -16 or -128): a batch-1 decode step of the embedded model reads 96
+//     instead of 115 MiB, and the products are the same bit for bit (each is widened to float32 on load).
 //
 // W4A8 (quant_gemm_a8): the activation's 4 int8 values of a group are broadcast to every lane and
 // one vpdpbusd (AVX2: maddubs + madd) adds 4 products to each of 16 (8) columns' int32 sums; after
@@ -52,6 +55,7 @@ constexpr int MR_EXACT = 8;  // 8 rows x 2 vectors = 16 accumulators of 32
 constexpr int MR_A8 = 4;     // 4 rows x 2 vectors x (float + int sums)
 inline vf fzero() { return _mm512_setzero_ps(); }
 inline vf fload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf fload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void fstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline void fstore_first(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
 inline vf fset1(float v) { return _mm512_set1_ps(v); }
@@ -73,6 +77,7 @@ constexpr int MR_EXACT = 4;  // 16 ymm registers: 4 rows x 2 vectors + weights +
 constexpr int MR_A8 = 2;
 inline vf fzero() { return _mm256_setzero_ps(); }
 inline vf fload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf fload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void fstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline void fstore_first(float* p, vf a, int n) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -117,10 +122,12 @@ inline vi dot4(vi acc, vi w, vi x) {
 #endif
 }
 
+// S: how the scales and mins are stored, float or uint16_t (float16 bits).
+template <typename S>
 struct Packed {
   const uint8_t* q;
-  const float* scale;
-  const float* min;
+  const S* scale;
+  const S* min;
   int64_t nbx;         // 32-value blocks along K
   int64_t nsb;         // scale blocks along K (K / block size)
   int64_t block_bytes; // bytes of one (panel, 32-block)
@@ -142,8 +149,8 @@ inline void store_cols(float* out, vf a, int64_t col, int64_t n) {
 }
 
 // ---- W4A8 -------------------------------------------------------------------------------------------
-template <int BITS, int BS, int MR>
-void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed& w, int64_t t, float* out, int64_t ldo,
+template <int BITS, int BS, int MR, typename S>
+void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed<S>& w, int64_t t, float* out, int64_t ldo,
              int64_t n) {
   vf acc[MR][NCV];
   for (int r = 0; r < MR; ++r)
@@ -204,8 +211,8 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed& w, i
 
 // ---- exact -------------------------------------------------------------------------------------------
 // Column tile t of the whole weight, dequantized: wbuf[k * CT + c] = fma(q, scale, min).
-template <int BITS, int BS>
-void decode_tile(const Packed& w, int64_t t, float* wbuf) {
+template <int BITS, int BS, typename S>
+void decode_tile(const Packed<S>& w, int64_t t, float* wbuf) {
   const vi nib = iset1(0x0F), byte = iset1(0xFF);
   for (int64_t b = 0; b < w.nbx; ++b) {
     for (int cv = 0; cv < NCV; ++cv) {
@@ -260,8 +267,8 @@ inline vi element_of(vi v) {
 // Few rows (at most MR_EXACT): each block dequantized into registers and used at once, no buffer. The
 // FMAs per element are those of exact_tile over decode_tile's buffer, in the same order (k = 0..K-1),
 // and the dequantized weights the same fma(q, scale, min): so a row's bits match the many-row path.
-template <int BITS, int BS, int MR, int NV>
-void exact_tile_direct(const float* x, int64_t K, const Packed& w, int64_t t, float* out, int64_t ldo, int64_t n) {
+template <int BITS, int BS, int MR, int NV, typename S>
+void exact_tile_direct(const float* x, int64_t K, const Packed<S>& w, int64_t t, float* out, int64_t ldo, int64_t n) {
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < NV; ++cv) acc[r][cv] = fzero();
@@ -343,8 +350,8 @@ void run_units(int64_t M, int64_t tiles, MakeState make_state, Prepare prepare, 
   });
 }
 
-Packed check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales,
-                    const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
+void check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales,
+                  const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(block == 32 || (block == 16 && bits == 8), "quant_gemm: unsupported block size ", block, " for ",
               bits, "-bit weights");
@@ -358,13 +365,28 @@ Packed check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::T
   const int64_t panels = qpacked.size(0);
   TORCH_CHECK(n > panels * PANEL - CT && n <= panels * PANEL, "quant_gemm: n=", n, " does not fit ", panels,
               " panels");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  mins.scalar_type() == scales.scalar_type(),
+              "quant_gemm: scales and mins must be both float32 or both float16");
   for (const at::Tensor* s : {&scales, &mins}) {
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 && s->size(0) == panels &&
-                    s->size(1) == K / block && s->size(2) == PANEL,
-                "quant_gemm: scales and mins must be contiguous float32 [panels, K/block, 16]");
+    TORCH_CHECK(s->is_contiguous() && s->dim() == 3 && s->size(0) == panels && s->size(1) == K / block &&
+                    s->size(2) == PANEL,
+                "quant_gemm: scales and mins must be contiguous [panels, K/block, 16] tensors");
   }
-  return Packed{qpacked.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K / 32, K / block,
-                block_bytes};
+}
+
+// f(Packed<S>) for the type the scales are stored in.
+template <typename F>
+void with_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t bits, int64_t block, F&& f) {
+  const int64_t K = x2.size(1), block_bytes = PANEL * 32 * bits / 8;
+  const uint8_t* q = qpacked.data_ptr<uint8_t>();
+  if (scales.scalar_type() == at::kHalf) {
+    f(Packed<uint16_t>{q, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                       reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), K / 32, K / block, block_bytes});
+  } else {
+    f(Packed<float>{q, scales.data_ptr<float>(), mins.data_ptr<float>(), K / 32, K / block, block_bytes});
+  }
 }
 
 at::Tensor output_for(const at::Tensor& x, int64_t M, int64_t n) {
@@ -378,8 +400,8 @@ struct DecodedTile {
   int64_t tile = -1;
 };
 
-template <int BITS, int BS>
-void exact_impl(const float* x, int64_t M, int64_t K, const Packed& w, int64_t tiles, float* out, int64_t n) {
+template <int BITS, int BS, typename S>
+void exact_impl(const float* x, int64_t M, int64_t K, const Packed<S>& w, int64_t tiles, float* out, int64_t n) {
   if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
     at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
@@ -409,8 +431,8 @@ void exact_impl(const float* x, int64_t M, int64_t K, const Packed& w, int64_t t
       });
 }
 
-template <int BITS, int BS>
-void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const Packed& w, int64_t tiles, float* out, int64_t n) {
+template <int BITS, int BS, typename S>
+void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const Packed<S>& w, int64_t tiles, float* out, int64_t n) {
   run_units<MR_A8>(
       M, tiles, [] { return 0; }, [](int64_t, int) {},
       [&](auto rows, int64_t m, int64_t t, int) {
@@ -423,15 +445,17 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qpacked, const at::
                       const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm: x must be float32");
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const Packed w = check_packed(x2, qpacked, scales, mins, n, bits, block);
+  check_packed(x2, qpacked, scales, mins, n, bits, block);
   const int64_t M = x2.size(0), K = x2.size(1), tiles = qpacked.size(0) * PANEL / CT;
   at::Tensor out = output_for(x, M, n);
   if (M == 0) return out;
   const float* xp = x2.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  if (bits == 4) exact_impl<4, 32>(xp, M, K, w, tiles, o, n);
-  else if (block == 32) exact_impl<8, 32>(xp, M, K, w, tiles, o, n);
-  else exact_impl<8, 16>(xp, M, K, w, tiles, o, n);
+  with_packed(x2, qpacked, scales, mins, bits, block, [&](const auto& w) {
+    if (bits == 4) exact_impl<4, 32>(xp, M, K, w, tiles, o, n);
+    else if (block == 32) exact_impl<8, 32>(xp, M, K, w, tiles, o, n);
+    else exact_impl<8, 16>(xp, M, K, w, tiles, o, n);
+  });
   return out;
 }
 
@@ -439,16 +463,18 @@ at::Tensor quant_gemm_a8(const at::Tensor& x, const at::Tensor& qpacked, const a
                          const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm_a8: x must be float32");
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const Packed w = check_packed(x2, qpacked, scales, mins, n, bits, block);
+  check_packed(x2, qpacked, scales, mins, n, bits, block);
   const int64_t M = x2.size(0), K = x2.size(1), tiles = qpacked.size(0) * PANEL / CT;
   at::Tensor out = output_for(x, M, n);
   if (M == 0) return out;
   QuantizedX xq;
   quantize_rows(x2.data_ptr<float>(), M, K, xq);
   float* o = out.data_ptr<float>();
-  if (bits == 4) a8_impl<4, 32>(xq, M, K, w, tiles, o, n);
-  else if (block == 32) a8_impl<8, 32>(xq, M, K, w, tiles, o, n);
-  else a8_impl<8, 16>(xq, M, K, w, tiles, o, n);
+  with_packed(x2, qpacked, scales, mins, bits, block, [&](const auto& w) {
+    if (bits == 4) a8_impl<4, 32>(xq, M, K, w, tiles, o, n);
+    else if (block == 32) a8_impl<8, 32>(xq, M, K, w, tiles, o, n);
+    else a8_impl<8, 16>(xq, M, K, w, tiles, o, n);
+  });
   return out;
 }
 

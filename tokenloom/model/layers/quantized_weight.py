@@ -27,8 +27,8 @@ import torch
 class Panels:
     """The column-interleaved form (tokenloom/kernels/quant.py `interleave`) of an [N, K] weight."""
     qpacked: torch.Tensor  # uint8 [P, K/32, 16*32*bits/8], P = N padded to 32, over 16
-    scales: torch.Tensor   # float32 [P, K/block_size, 16]
-    mins: torch.Tensor     # float32 [P, K/block_size, 16]
+    scales: torch.Tensor   # float16 where exact (quant.compact_scales), else float32 [P, K/block_size, 16]
+    mins: torch.Tensor     # the same dtype as scales [P, K/block_size, 16]
     columns: int           # N
 
 
