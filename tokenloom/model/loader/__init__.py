@@ -11,6 +11,7 @@ from tqdm import tqdm
 from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.huge_pages import move_panels_to_huge_pages
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
@@ -101,6 +102,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
                                 f"{', ...' if len(missing) > 5 else ''}")
     if quantized:
         quantized_linear.finalize_quantized(net, dtype)
+        move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
     if fill_cache:
         weight_cache.store(path, cache_key, arch, loaded_tensors)
     net.eval()
