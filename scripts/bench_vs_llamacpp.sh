@@ -88,6 +88,9 @@ for c in (1, 32):
     for path in sorted(glob.glob(f"{out}/*_c{c}_r*.json")):
         r = json.load(open(path))["runs"][0]
         name = os.path.basename(path)[:-5]
+        if not r.get("completed"):
+            print(f"{name:18s} every request failed ({r['failed']}): see its log")
+            continue
         print(f"{name:18s} output tok/s {r['output_throughput']:8.1f}  TTFT p50 {r['ttft_ms']['p50']:9.1f} ms"
               f"  TPOT p50 {r['tpot_ms']['p50']:7.1f} ms  failed {r['failed']}")
 PY
