@@ -5,7 +5,8 @@ what each phase adds to RSS and its peak, and where it lands (scripts/rss_breakd
 
 Phases: the interpreter; `import torch`; the engine's modules (what `python -m tokenloom.engine.core_proc`
 imports before building); loading the weights; the KV mapping and runner; the warm-up; one request of 225
-prompt tokens and 128 out (bench_vs_llamacpp.sh's shape); one of --long-len prompt tokens and 16 out. Each
+prompt tokens and 128 out (bench_vs_llamacpp.sh's shape); one of --long-len prompt tokens and 16 out; after
+each request, the heap trim the engine process makes when it turns idle (tokenloom/heap_trim.py). Each
 phase's peak is its own (VmHWM is reset before it through /proc/self/clear_refs). The KV cache's resident
 bytes are read exactly with mincore(2) over its tensors; the weights' as the load phase's growth (their
 bytes are printed beside it).
@@ -129,6 +130,7 @@ def main() -> int:
     import tokenloom.engine.core_proc  # noqa: F401 - the engine process's own imports
     from tokenloom.config import EngineConfig
     from tokenloom.executor import setup
+    from tokenloom.heap_trim import release_free_heap
     rec.mark("import the engine's modules")
 
     load_model, warm_up, allocate = setup.load_model, setup._warm_up, setup.allocate_kv_cache
@@ -156,10 +158,11 @@ def main() -> int:
     config = EngineConfig.from_kwargs(max_model_len=ns.max_model_len, **options)
     core = tokenloom.engine.core_proc.default_core_factory(config)
     rec.mark("rest of the engine's start-up")
-    run_request(core, "bench", 225, 128, seed=1)
-    rec.mark("one request, 225 in / 128 out")
-    run_request(core, "long", ns.long_len, 16, seed=2)
-    rec.mark(f"one request, {ns.long_len} in / 16 out")
+    for name, prompt, out, seed in (("bench", 225, 128, 1), ("long", ns.long_len, 16, 2)):
+        run_request(core, name, prompt, out, seed)
+        rec.mark(f"request {prompt} in / {out} out")
+        release_free_heap()  # as the engine process does when it turns idle (core_proc.py)
+        rec.mark("  idle: heap trimmed")
     rec.print()
     core.shutdown()
     return 0
