@@ -1,7 +1,7 @@
 """The engine's resident memory built up step by step, in one process, as `tokenloom serve` builds its engine:
 what each phase adds to RSS and its peak, and where it lands (scripts/rss_breakdown.py's groups).
 
-    .venv/bin/python scripts/rss_phases.py [--max-model-len 4096] [--long-len 3900] [engine options as k=v...]
+    .venv/bin/python scripts/rss_phases.py [--max-model-len 4096] [--long-len 3900] [--more N] [engine options as k=v...]
 
 Phases: the interpreter; `import torch`; the engine's modules (what `python -m tokenloom.engine.core_proc`
 imports before building); loading the weights; the KV mapping and runner; the warm-up; one request of 225
@@ -121,6 +121,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--long-len", type=int, default=3900)
+    p.add_argument("--more", type=int, default=0, help="then N more requests of 1,000 distinct tokens, one at a time")
     p.add_argument("options", nargs="*", help="more engine options, key=value (e.g. kv_cache_dtype=bfloat16)")
     ns = p.parse_args()
     rec = Recorder()
@@ -163,6 +164,10 @@ def main() -> int:
         rec.mark(f"request {prompt} in / {out} out")
         release_free_heap()  # as the engine process does when it turns idle (core_proc.py)
         rec.mark("  idle: heap trimmed")
+    for i in range(ns.more):  # distinct prompts: does the KV mapping's resident part keep growing?
+        run_request(core, f"more{i}", 1000, 1, seed=3 + i)
+        release_free_heap()
+        rec.mark(f"+ request {i + 1} of 1000 in / 1 out")
     rec.print()
     core.shutdown()
     return 0
