@@ -8,9 +8,10 @@ context (PERFORMANCE.md, "Engine memory at a 4k context"): 16 MiB free in the he
 225-token request, 30 MiB after a 3,900-token one; `malloc_trim(0)` returns them in 1.3-3.6 ms.
 
 Why not smaller fixed thresholds instead (mallopt M_MMAP_THRESHOLD / MALLOC_MMAP_THRESHOLD_): every activation
-above them would then be a fresh mapping, page-faulted on each step; a 1,024-token prefill took ~2x as long
-with a 128 KiB or 1 MiB threshold as with 32 MiB (noisy machine, same process, interleaved). Trimming only
-when the engine is idle costs nothing on the steps themselves.
+above them would then be a fresh mapping, zeroed and page-faulted on each step. A 1,024-token prefill took
+236,000-251,000 minor faults (~0.95 GiB of pages) with a 1 MiB or 128 KiB threshold against 18,000 with 32 MiB
+(scripts/malloc_threshold_ab.py; decode steps are alike, 540); the time difference was lost in the noise of a
+loaded machine. Trimming only when the engine is idle costs nothing on the steps themselves.
 
 A no-op where the C library has no malloc_trim (musl, macOS).
 """
