@@ -162,8 +162,9 @@ def main() -> int:
     for name, prompt, out, seed in (("bench", 225, 128, 1), ("long", ns.long_len, 16, 2)):
         run_request(core, name, prompt, out, seed)
         rec.mark(f"request {prompt} in / {out} out")
+        start = time.perf_counter()
         release_free_heap()  # as the engine process does when it turns idle (core_proc.py)
-        rec.mark("  idle: heap trimmed")
+        rec.mark(f"  idle: heap trimmed ({(time.perf_counter() - start) * 1e3:.1f} ms)")
     for i in range(ns.more):  # distinct prompts: does the KV mapping's resident part keep growing?
         run_request(core, f"more{i}", 1000, 1, seed=3 + i)
         release_free_heap()

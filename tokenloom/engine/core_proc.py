@@ -10,7 +10,7 @@ with the engine config (msgspec JSON) on stdin. The loop:
    idle, and from a small thread (own socket) while one step runs long, so a slow
    step is not mistaken for a dead engine; that heartbeat says how long the step has run,
 4. when the last request finishes, hand the heap's free pages back to the kernel (heap_trim.py: activations
-   freed into the heap stay resident otherwise, 30 MiB after a 3,900-token prompt),
+   freed into the heap stay resident otherwise, 55 MiB after a 3,900-token prompt),
 5. exit as soon as the parent process is gone (PR_SET_PDEATHSIG plus a parent-pid
    check every iteration), so an engine is never orphaned.
 """
