@@ -163,7 +163,7 @@ def main() -> int:
         run_request(core, name, prompt, out, seed)
         rec.mark(f"request {prompt} in / {out} out")
         start = time.perf_counter()
-        release_free_heap()  # as the engine process does when it turns idle (core_proc.py)
+        release_free_heap()  # as the engine process does once idle (core_proc.py)
         rec.mark(f"  idle: heap trimmed ({(time.perf_counter() - start) * 1e3:.1f} ms)")
     for i in range(ns.more):  # distinct prompts: does the KV mapping's resident part keep growing?
         run_request(core, f"more{i}", 1000, 1, seed=3 + i)

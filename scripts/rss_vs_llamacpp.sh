@@ -54,7 +54,7 @@ table="$OUT/summary.txt"
   printf "%-8s %-17s %-17s %-17s %s\n" point llama-server "tokenloom engine" "engine/llama now" "tokenloom API"
 } > "$table"
 point() {  # name
-  sleep 1
+  sleep 3  # the engine trims its heap after a second idle (tokenloom/heap_trim.py)
   local l e
   l=$(awk '/VmRSS/ {print $2}' "/proc/$llama_pid/status"); e=$(awk '/VmRSS/ {print $2}' "/proc/$engine_pid/status")
   printf "%-8s %-17s %-17s %-17s %s\n" "$1" "$(rss "$llama_pid")" "$(rss "$engine_pid")" \
