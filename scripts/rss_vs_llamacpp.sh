@@ -45,8 +45,12 @@ engine_pid=$(pgrep -P "$tl_pid" | head -1)
 rss() { awk '/VmRSS/ {now = $2} /VmHWM/ {peak = $2} END {printf "%6.0f / %6.0f", now / 1024, peak / 1024}' \
   "/proc/$1/status"; }
 request() {  # port input-len output-len seed
+  local name="$OUT/request_port$1_$2"
   $TL bench serve --base-url "http://127.0.0.1:$1" --endpoint completions --dataset random --input-len "$2" \
-    --output-len "$3" --ignore-eos --num-prompts 1 --max-concurrency 1 --seed "$4" > /dev/null
+    --output-len "$3" --ignore-eos --num-prompts 1 --max-concurrency 1 --seed "$4" --json "$name.json" \
+    > "$name.log" 2>&1 || true
+  $PY -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["runs"][0]["failed"] != 0)' "$name.json" \
+    || { echo "the request of $2 tokens to port $1 failed: see $name.log and the server logs in $OUT" >&2; exit 1; }
 }
 table="$OUT/summary.txt"
 {
