@@ -2,7 +2,8 @@
 
 Each request "generates" its prompt's token ids + 1, one per step, up to max_tokens.
 A prompt whose first token is 999999 makes `step()` raise (engine failure);
-666666 makes the process exit at once (engine crash).
+666666 makes the process exit at once (engine crash); 555555 makes the step leave 64 MiB of freed holes
+in malloc's heap (as freed activations do), between small blocks it keeps.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class FakeCore:
         self.config = config
         self.reqs = {}
         self.step_delay = float(os.environ.get("FAKE_CORE_STEP_DELAY", "0.01"))
+        self.kept: list[bytes] = []
 
     def add_request(self, req):
         if req.prompt_token_ids and req.prompt_token_ids[0] == 666666:
@@ -38,6 +40,8 @@ class FakeCore:
             req, k = st
             if req.prompt_token_ids and req.prompt_token_ids[0] == 999999:
                 raise RuntimeError("boom")
+            if req.prompt_token_ids and req.prompt_token_ids[0] == 555555:
+                self._fragment_heap()
             tok = req.prompt_token_ids[k % len(req.prompt_token_ids)] + 1
             st[1] += 1
             done = st[1] >= (req.sampling_params.max_tokens or 16)
@@ -47,6 +51,16 @@ class FakeCore:
             if done:
                 del self.reqs[rid]
         return outs
+
+    def _fragment_heap(self, holes: int = 640, hole_bytes: int = 100_000) -> None:
+        """Written (so resident) 100 kB blocks, under malloc's 128 KiB mmap threshold so they come from the
+        heap, each followed by a small block that stays: freeing the big ones leaves holes glibc does not trim
+        by itself."""
+        freed = []
+        for i in range(holes):
+            freed.append(bytes([i % 251]) * hole_bytes)
+            self.kept.append(bytes([i % 251]) * 1000)
+        del freed
 
     last_step_tokens = 0
 

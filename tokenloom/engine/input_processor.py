@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.validation_error import RequestValidationError
 from tokenloom.sampling_params import SamplingParams, SamplingParamsError
 from tokenloom.tokenizer import Tokenizer
 
@@ -25,16 +26,6 @@ def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> li
     if len(text) > GIL_FREE_ENCODE_CHARS and hasattr(inner, "encode_batch"):
         return inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-class RequestValidationError(ValueError):
-    """A request the engine will not run; `param` names the offending field, `code` is OpenAI's."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
 
 
 class InputProcessor:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
 from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
+from tokenloom.heap_trim import release_free_heap
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, select_attention_backend, \
@@ -181,6 +182,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, attention, progress)
     if graphs:
         runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
+    release_free_heap()  # what loading and the warm-up freed (5 MiB on the embedded model): heap_trim.py
     if tp_group().is_first:
         logger.info("attention backend: %s", backend)
         logger.info(setup.summary())
