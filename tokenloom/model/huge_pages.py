@@ -11,11 +11,11 @@ default); where they are `never`, or off Linux, the advice is ignored and nothin
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import torch
 
+from tokenloom.heap_trim import release_free_heap
 from tokenloom.model.layers.quantized_weight import Panels, QuantizedWeight
 
 HUGE_PAGE = 2 << 20
@@ -66,19 +66,11 @@ def move_panels_to_huge_pages(weights: list[QuantizedWeight]) -> int:
         since_trim += sum(t.numel() * t.element_size() for t in _tensors(p))
         del p
         if since_trim >= TRIM_EVERY:
-            _return_freed_heap()
+            release_free_heap()
             since_trim = 0
-    _return_freed_heap()
+    release_free_heap()
     return offset
 
 
 def _tensors(p: Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return p.qpacked, p.scales, p.mins
-
-
-def _return_freed_heap() -> None:
-    """glibc's malloc_trim: give the heap's free pages back to the system (elsewhere, nothing)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
