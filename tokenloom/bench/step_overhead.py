@@ -5,8 +5,8 @@ after its prefill, `--steps` steps are timed (median), then `--profile-steps` mo
 torch.profiler. The report splits the profiled steps into the top-level ops the main thread ran (each with
 its calls and microseconds a step) and the rest of the step, which is Python: the model's layers, the
 runner's inputs and sampling, the scheduler. The profiler's own cost inflates that rest (by ~2x here), so
-read its op rows and the unprofiled median side by side. Extra arguments are the engine's
-(`--quantized-matmul w4a8`, `--threads 1`...).
+read its op rows and the unprofiled median side by side. `--threads N` sets torch's thread count; the other
+arguments are the engine's (`--quantized-matmul w4a8`, `--attention-backend torch`...).
 """
 from __future__ import annotations
 
@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--steps", type=int, default=40, help="decode steps timed without the profiler (median)")
     p.add_argument("--profile-steps", type=int, default=20, help="decode steps under torch.profiler (0: none)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     add_engine_args(p, model_positional=False)
     ns = p.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     from tokenloom.engine.core import EngineCore
     core = EngineCore(EngineConfig.from_args(ns))
     try:
