@@ -64,8 +64,10 @@ def load() -> bool:
 
 
 def enabled() -> bool:
-    """Whether the native ops are in use in this process (loads them on first call)."""
-    return load()
+    """Whether the native ops are in use in this process (loads them on first call). Asked a few hundred
+    times a decode step, so the answer once known is one dict lookup."""
+    loaded = _state.get("loaded")
+    return load() if loaded is None else bool(loaded)
 
 
 def isa() -> str | None:

@@ -54,7 +54,7 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 def native(x: torch.Tensor) -> bool:
     """Whether the native op serves this tensor: kernels loaded, a float32 tensor on the CPU."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.enabled()
+    return x.dtype == torch.float32 and x.is_cpu and kernels.enabled()
 
 
 def _register_fakes() -> None:

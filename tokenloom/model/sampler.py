@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.kernels.sampling_ops import argmax_rows
 from tokenloom.model.host_copy import tensor_on
 
 from tokenloom.sampling_params import SamplingParams
@@ -150,7 +151,7 @@ class Sampler:
             greedy = [p.is_greedy for p in (r.params for r in rows)]
             token_ids = self._draw(processed.logits, rows, processed.random_idx, greedy)
         else:
-            token_ids = processed.logits.argmax(dim=-1)
+            token_ids = argmax_rows(processed.logits)
         return self.with_logprobs(processed, rows, token_ids)
 
     def with_logprobs(self, processed: ProcessedLogits, rows: list[SamplingRow],
@@ -366,9 +367,9 @@ class Sampler:
             q[j].exponential_(generator=rows[random_idx[j]].generator)
         # Exp(1) noise can be exactly 0 in float32; a 0 would turn 0/0 into NaN.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
-        sampled = probs.div_(q).argmax(dim=-1)
+        sampled = argmax_rows(probs.div_(q))
         if all_random:
             return sampled
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         token_ids.index_copy_(0, r_idx, sampled)
         return token_ids

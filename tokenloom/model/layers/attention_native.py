@@ -51,8 +51,9 @@ class NativeAttention(TorchAttention):
             d = meta.num_decodes
             decoded = None
             if d:
-                decoded = torch.ops.tokenloom.paged_attention_decode(q[:d], kv_cache, meta.block_tables,
-                                                                     meta.context_lens, self.scale, self.window)
+                decoded = torch.ops.tokenloom.paged_attention_decode(q if d == q.shape[0] else q[:d], kv_cache,
+                                                                     meta.block_tables, meta.context_lens,
+                                                                     self.scale, self.window)
                 if not meta.prefills:
                     return decoded
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)

@@ -28,6 +28,7 @@ from torch import nn
 from tokenloom.distributed.expert_parallel import ExpertPlacement, expert_parallel_settings
 from tokenloom.distributed.parallel_state import all_reduce, tp_group
 from tokenloom.model.layers.linear_method import mixed_linear
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.profiler import PROFILER
 
 # A checkpoint tensor of the experts, after the model mapped its family's names (Mixtral's w1/w3/w2)
@@ -96,7 +97,7 @@ def grouped_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[t
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(InferenceModule):
     """This rank's experts of one layer; forward(x, topk_weights, topk_ids) gives their output, reduced over the
     group."""
 

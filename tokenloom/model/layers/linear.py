@@ -18,10 +18,11 @@ from torch import nn
 
 from tokenloom.distributed.parallel_state import all_reduce, tp_group
 from tokenloom.model.layers.linear_method import UNQUANTIZED, LinearMethod, mixed_linear  # noqa: F401
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.profiler import PROFILER
 
 
-class Linear(nn.Module):
+class Linear(InferenceModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  method: LinearMethod = UNQUANTIZED):
         super().__init__()

@@ -5,13 +5,14 @@ from torch import nn
 from tokenloom.kernels import layer_ops
 from tokenloom.model.arch_config import UnsupportedModelError
 from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tokenloom.model.layers.module import InferenceModule
 
 
 # The gate's activation by HF config name (hidden_act / hidden_activation).
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(InferenceModule):
     """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up in one matmul; SwiGLU by default, Gemma's
     GeLU(tanh) with activation="gelu_pytorch_tanh".
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tokenloom.distributed.parallel_state import all_reduce
 from tokenloom.model.layers.fused_moe import FusedMoE
 from tokenloom.model.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.profiler import PROFILER
 
 
@@ -33,7 +34,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(InferenceModule):
     """The dense SwiGLU expert every token passes through, sharded like a dense MLP (gate/up column-parallel,
     down row-parallel), returning this rank's partial sum: the block adds it to the routed experts' partial
     sum before the one all-reduce of the layer."""
@@ -51,7 +52,7 @@ class SharedExpert(nn.Module):
             return self.down_proj.method.apply(self.down_proj, F.silu(gate) * up, None)  # not reduced
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(InferenceModule):
     """Checkpoint names under the block: `gate` (router), `experts.*`, `shared_expert.*`, `shared_expert_gate`."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,

@@ -4,9 +4,10 @@ import torch
 from torch import nn
 
 from tokenloom.kernels import layer_ops
+from tokenloom.model.layers.module import InferenceModule
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(InferenceModule):
     """RMSNorm computed in float32, as in the HF reference implementations."""
 
     def __init__(self, size: int, eps: float):
@@ -16,13 +17,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-        if layer_ops.native(x) and self.weight.dtype == torch.float32:
+        weight = self.weight  # read once: a parameter is found through nn.Module.__getattr__
+        if weight.dtype == torch.float32 and layer_ops.native(x):
             if residual is None:
-                return torch.ops.tokenloom.rms_norm(x, self.weight, self.eps)
-            return torch.ops.tokenloom.add_rms_norm(x, residual, self.weight, self.eps)
+                return torch.ops.tokenloom.rms_norm(x, weight, self.eps)
+            return torch.ops.tokenloom.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
-            return layer_ops.rms_norm_reference(x, self.weight, self.eps)
-        return layer_ops.add_rms_norm_reference(x, residual, self.weight, self.eps)
+            return layer_ops.rms_norm_reference(x, weight, self.eps)
+        return layer_ops.add_rms_norm_reference(x, residual, weight, self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from tokenloom.kernels import layer_ops
 from tokenloom.model.arch_config import UnsupportedModelError
+from tokenloom.model.layers.module import InferenceModule
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -31,7 +31,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.
     raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(InferenceModule):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.args = (head_dim, max_positions, theta, scaling)  # the loader rebuilds the tables from them

@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenloom.distributed.parallel_state import all_reduce, gather_to_first, tp_group
 from tokenloom.model.layers.linear import Linear
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.quantized_linear import embedding_lookup
 
 
@@ -30,7 +31,7 @@ def _load_rows(dst: torch.Tensor, tensor: torch.Tensor, rank: int, what: str) ->
     dst[:piece.shape[0]].copy_(piece)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(InferenceModule):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.tp = tp_group()

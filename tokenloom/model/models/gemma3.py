@@ -16,6 +16,7 @@ from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.layers.mlp import GatedMLP
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.norm import GemmaRMSNorm
 from tokenloom.model.layers.rotary import RotaryEmbedding
 from tokenloom.model.layers.vocab_parallel import VocabParallelEmbedding
@@ -35,7 +36,7 @@ class Gemma3Attention(SelfAttention):
                                                   sliding_window=cfg.layer_window(layer))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(InferenceModule):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -51,7 +52,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(InferenceModule):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)

@@ -9,6 +9,7 @@ from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import attention_backend
 from tokenloom.model.layers.linear import QKVParallelLinear, RowParallelLinear, mixed_linear
 from tokenloom.model.layers.mlp import GatedMLP
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.norm import RMSNorm
 from tokenloom.model.layers.rotary import RotaryEmbedding
 from tokenloom.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
@@ -21,7 +22,7 @@ MERGED = {
 }
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(InferenceModule):
     """Tensor parallel: each rank attends with its share of the heads (qkv column-parallel by heads, o_proj
     row-parallel), so one all-reduce per attention block."""
 
@@ -33,6 +34,7 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -41,7 +43,7 @@ class SelfAttention(nn.Module):
                                                   sliding_window=cfg.layer_window(layer))
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split_with_sizes(self.qkv_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -51,7 +53,7 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(InferenceModule):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -72,7 +74,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(InferenceModule):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -88,7 +90,7 @@ class DecoderModel(nn.Module):
 
 
 @register("LlamaForCausalLM")
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(InferenceModule):
     """Causal LM over a flat batch: forward() gives hidden states, compute_logits() the logits of chosen rows."""
 
     def __init__(self, cfg: ArchConfig):
