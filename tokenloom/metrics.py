@@ -8,7 +8,7 @@ the production-stack dashboard still reads them.
 One `ServerMetrics` per server, on its own registry (so tests and several servers in
 one process never clash). The frontend feeds it:
 
-* `observe_engine_stats(stats)` after each engine step / heartbeat: gauges for running
+* `observe_engine_stats(stats)` with the engine's latest stats, before each /metrics render: gauges for running
   and waiting requests and KV-cache usage, and the engine's cumulative counters
   (prefix cache queries/hits, preemptions) turned into counter increments;
 * `observe_iteration(num_tokens)` once per engine step;

@@ -193,13 +193,13 @@ class AsyncLLM:
         if self.data_parallel_size > 1:
             client: Any = DPEngineClient(self.config, self.data_parallel_size, on_outputs=self._on_outputs,
                                          on_dead=lambda reason: self._on_dead(holder[0], reason),
-                                         on_stats=self._on_stats, on_replica_dead=self._on_replica_dead,
+                                         on_replica_dead=self._on_replica_dead,
                                          **self._client_args)
             holder.append(client)
             return client
         client = EngineCoreClient(self.config, on_outputs=self._on_outputs,
                                   on_dead=lambda reason: self._on_dead(holder[0], reason),
-                                  on_stats=self._on_stats, **self._client_args)
+                                  **self._client_args)
         holder.append(client)
         return client
 
@@ -304,7 +304,12 @@ class AsyncLLM:
         return out
 
     def update_engine_metrics(self) -> None:
-        """Refresh the per-engine gauges (engine state and health) before /metrics renders."""
+        """Refresh the per-engine gauges (engine state and health) before /metrics renders.
+
+        The engine's stats (running, waiting, KV usage, prefix-cache and speculation counters) come with
+        every step and are kept as they come (`client.last_stats`); they reach the Prometheus families only
+        here, when someone reads them: applied on every step they took a tenth of the API process's time
+        at concurrency 1 (py-spy), for values only a scrape reads."""
         if self.metrics is None:
             return
         if isinstance(self.client, DPEngineClient):
@@ -506,10 +511,6 @@ class AsyncLLM:
         task.add_done_callback(self._bg.discard)
 
     # ------------------------------------------------------------------ engine callbacks
-
-    def _on_stats(self, stats: dict[str, Any], engine: int = 0) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_engine_stats(stats, engine)
 
     def _on_replica_dead(self, rank: int, reason: str, request_ids: list[str]) -> None:
         """Data parallel: one replica died; only its requests fail (with the engine-death error)."""

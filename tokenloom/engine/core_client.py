@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from tokenloom.engine import ipc
 from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.zmq_reader import SocketReader
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -55,14 +56,12 @@ def _config_type_path(config: Any) -> str:
 class EngineCoreClient:
     def __init__(self, config: Any, *, on_outputs: Callable[[ipc.StepOutputs], None],
                  on_dead: Callable[[str], None] | None = None,
-                 on_stats: Callable[[dict[str, Any]], None] | None = None,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 30.0,
                  core_factory: str | None = None, step_timeout: float | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.config = config
         self.on_outputs = on_outputs
         self.on_dead = on_dead
-        self.on_stats = on_stats
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout if step_timeout and step_timeout > 0 else None
@@ -77,7 +76,8 @@ class EngineCoreClient:
         self.step_elapsed = 0.0  # how long the engine's current step has run (from its heartbeat)
         self._ctx: zmq.asyncio.Context | None = None
         self._in: zmq.asyncio.Socket | None = None
-        self._out: zmq.asyncio.Socket | None = None
+        self._out: zmq.Socket | None = None  # plain: read through self._reader, no Future per message
+        self._reader: SocketReader | None = None
         self._tmpdir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -125,9 +125,10 @@ class EngineCoreClient:
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(input_addr)
-        self._out = self._ctx.socket(zmq.PULL)
+        self._out = zmq.Socket(self._ctx, zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(output_addr)
+        self._reader = SocketReader(self._out, self._loop)
 
         cmd = [sys.executable, "-m", "tokenloom.engine.core_proc", "--input", input_addr,
                "--output", output_addr, "--parent-pid", str(os.getpid()),
@@ -157,17 +158,16 @@ class EngineCoreClient:
         return self.info
 
     async def _wait_ready(self) -> ipc.Ready:
-        assert self._out is not None
+        assert self._reader is not None
         while True:
             if self.dead_reason is not None:
                 raise EngineStartupError(f"engine process failed to start: {self.dead_reason}")
-            if not await self._out.poll(200):
-                continue
-            msg = ipc.decode_output(await self._out.recv())
-            if isinstance(msg, ipc.Ready):
-                return msg
-            if isinstance(msg, ipc.StartupFailed):
-                raise EngineStartupError(msg.error)
+            for data in await self._reader.receive(timeout=0.2):
+                msg = ipc.decode_output(data)
+                if isinstance(msg, ipc.Ready):
+                    return msg
+                if isinstance(msg, ipc.StartupFailed):
+                    raise EngineStartupError(msg.error)
 
     def _watch_process(self) -> None:
         assert self.proc is not None
@@ -182,22 +182,23 @@ class EngineCoreClient:
     # -------------------------------------------------------------- running
 
     async def _output_loop(self) -> None:
-        assert self._out is not None
+        assert self._reader is not None
         while self.dead_reason is None:
             try:
-                data = await self._out.recv()
+                batch = await self._reader.receive()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             self._last_seen = time.monotonic()
-            try:
-                msg = ipc.decode_output(data)
-            except msgspec.DecodeError as e:
-                logger.error("undecodable engine output: %s", e)
-                continue
-            try:
-                self._dispatch(msg)
-            except Exception:  # noqa: BLE001 - a frontend bug must not stop the output loop
-                logger.exception("failed to handle engine output")
+            for data in batch:
+                try:
+                    msg = ipc.decode_output(data)
+                except msgspec.DecodeError as e:
+                    logger.error("undecodable engine output: %s", e)
+                    continue
+                try:
+                    self._dispatch(msg)
+                except Exception:  # noqa: BLE001 - a frontend bug must not stop the output loop
+                    logger.exception("failed to handle engine output")
 
     def _dispatch(self, msg: ipc.EngineOutput) -> None:
         if isinstance(msg, ipc.StepOutputs):
@@ -205,16 +206,12 @@ class EngineCoreClient:
             self._step_started_at = 0.0
             if msg.stats:
                 self.last_stats = msg.stats
-                if self.on_stats is not None:
-                    self.on_stats(msg.stats)
             self.on_outputs(msg)
         elif isinstance(msg, ipc.Heartbeat):
             self.step_elapsed = msg.step_elapsed
             self._step_started_at = time.monotonic() - msg.step_elapsed if msg.step_elapsed else 0.0
             if msg.stats:
                 self.last_stats = msg.stats
-                if self.on_stats is not None:
-                    self.on_stats(msg.stats)
         elif isinstance(msg, ipc.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
@@ -289,6 +286,9 @@ class EngineCoreClient:
                     proc.wait()
         if self.dead_reason is None:
             self.dead_reason = "engine shut down"
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         for sock in (self._in, self._out):
             if sock is not None:
                 sock.close(linger=0)

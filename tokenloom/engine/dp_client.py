@@ -152,14 +152,12 @@ class DPEngineClient:
 
     def __init__(self, config: Any, size: int, *, on_outputs: Callable[[ipc.StepOutputs], None],
                  on_dead: Callable[[str], None] | None = None,
-                 on_stats: Callable[[dict[str, Any], int], None] | None = None,
                  on_replica_dead: Callable[[int, str, list[str]], None] | None = None,
                  **client_args: Any) -> None:
         self.config = config
         self.size = size
         self.on_outputs = on_outputs
         self.on_dead = on_dead
-        self.on_stats = on_stats
         self.on_replica_dead = on_replica_dead
         self._client_args = client_args
         self.replicas: list[EngineCoreClient] = [self._new_replica(rank) for rank in range(size)]
@@ -177,7 +175,6 @@ class DPEngineClient:
         holder: list[EngineCoreClient] = []
         client = EngineCoreClient(self.config, on_outputs=self._forward_outputs,
                                   on_dead=lambda reason: self._replica_dead(holder[0], rank, reason),
-                                  on_stats=lambda stats: self._forward_stats(stats, rank),
                                   env=replica_env(self.size, self.config.parallel.tensor_parallel_size),
                                   **self._client_args)
         holder.append(client)
@@ -326,10 +323,6 @@ class DPEngineClient:
                 if self._seqs_left[o.request_id] <= 0 or o.finish_reason == "error":
                     self._release(o.request_id)
         self.on_outputs(msg)
-
-    def _forward_stats(self, stats: dict[str, Any], rank: int) -> None:
-        if self.on_stats is not None:
-            self.on_stats(stats, rank)
 
     def _replica_dead(self, client: EngineCoreClient, rank: int, reason: str) -> None:
         if client is not self.replicas[rank] or self._closing or not client.info:
