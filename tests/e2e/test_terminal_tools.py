@@ -165,9 +165,19 @@ def test_chat_system_command_confirms(chat):
 
 
 def test_chat_ctrl_c_at_the_prompt_keeps_the_session(chat):
+    """A Ctrl-C that lands between the prompt being written and input() starting to read is taken, but
+    read() then waits for a key (seen once in a full run on a loaded machine): pressed again, as a person
+    would, it is answered. The session must survive either way."""
     mark = len(chat.screen)
-    chat.interrupt()
-    shown = chat.read_until(r"you> ", after=mark)[mark:]
+    for _ in range(3):
+        chat.interrupt()
+        try:
+            shown = chat.read_until(r"you> ", timeout=10, after=mark)[mark:]
+            break
+        except AssertionError:
+            assert chat.proc.poll() is None, chat.screen
+    else:
+        shown = chat.read_until(r"you> ", after=mark)[mark:]
     assert "/quit to leave" in shown
     assert chat.proc.poll() is None
 
