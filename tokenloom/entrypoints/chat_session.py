@@ -38,6 +38,16 @@ class ChatSession:
         print(text, file=self.err, flush=True)
 
     def run(self) -> int:
+        # An interactive session always takes Ctrl-C, even when started with SIGINT ignored (inherited from a
+        # parent that ignores it: a background job of a script, some launchers); Python then leaves it ignored,
+        # and Ctrl-C at the prompt would do nothing.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return self._loop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _loop(self) -> int:
         self.say("tokenloom chat: type a message; /help lists the commands, Ctrl-D leaves")
         while True:
             try:
