@@ -1,9 +1,10 @@
 """The quantized weights moved into one region of transparent huge pages.
 
-A batch-1 decode step reads every weight once (96 MiB on the embedded model) and is bound by memory,
-not arithmetic. On 4 KiB pages that stream takes a TLB miss every 4 KiB, and the hardware prefetchers
-stop at each page's edge; on 2 MiB pages the same kernels over the same bytes ran 7-14% faster (one
-thread, cold caches; PERFORMANCE.md "Huge pages"). Linux backs an anonymous mapping advised
+A batch-1 decode step reads every weight once (94 MiB on the embedded model) and is bound by memory.
+On 4 KiB pages that stream takes a TLB miss every 4 KiB, and the hardware prefetchers stop at each
+page's edge; on 2 MiB pages a pass over the same weights took 0.91x the time (exact) and 0.85x (W4A8)
+at 2 threads (`python -m tokenloom.bench.weight_stream`; PERFORMANCE.md, "The batch-1 step: float16
+scales, huge pages and the API process"). Linux backs an anonymous mapping advised
 MADV_HUGEPAGE with huge pages when transparent huge pages are `always` or `madvise` (the usual
 default); where they are `never`, or off Linux, the advice is ignored and nothing else changes.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+
 import torch
 
 from tokenloom.heap_trim import release_free_heap
