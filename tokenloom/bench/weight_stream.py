@@ -35,8 +35,7 @@ def _variants(weights: list[QuantizedWeight]) -> dict[str, list[QuantizedWeight]
 
 
 def _mib(weights: list[QuantizedWeight]) -> float:
-    return sum(t.numel() * t.element_size() for w in weights
-               for t in (w.panels.qpacked, w.panels.scales, w.panels.mins)) / 2**20
+    return sum(w.nbytes for w in weights) / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
