@@ -22,6 +22,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend, Scheduled
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
+from tokenloom.model.native_decode import NativeDecode
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
@@ -182,6 +183,8 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     setup.warmup_decode_seconds = _warm_up(loaded.model, kv_caches, block_size, device, attention, progress)
     if graphs:
         runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
+    elif device.type == "cpu" and not config.model.enforce_eager:
+        runner.native_decode = NativeDecode.build(loaded.model, attention.name)
     release_free_heap()  # what loading and the warm-up freed (5 MiB on the embedded model): heap_trim.py
     if tp_group().is_first:
         logger.info("attention backend: %s", backend)

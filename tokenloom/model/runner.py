@@ -47,6 +47,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.model.cuda_graphs)
+        self.native_decode = None  # NativeDecode on CPU unless --enforce-eager (tokenloom.model.native_decode)
         self.drafter: WorkerProposer | None = None  # a proposer that runs here (draft model), set by the setup
 
     # ---- state --------------------------------------------------------------
@@ -143,14 +144,17 @@ class ModelRunner:
         return ids, pos, slots, spans, logit_rows, pool_spans
 
     def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
-        """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, else
-        an eager forward."""
+        """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, the
+        native decoder stack for a decode-only step on the CPU, else an eager forward."""
         if self.graphs is not None and self.kv_layers is None and self.graphs.can_run(spans):
             return self.graphs.run(ids, pos, slots, spans)
         dev = self.device
         meta = self.attention.build_metadata(spans, tensor_on(slots, torch.long, dev))
+        ids_t, pos_t = tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev)
+        if self.native_decode is not None and self.kv_layers is None and self.native_decode.can_run(spans):
+            return self.native_decode.run(ids_t, pos_t, self.kv_caches, meta)
         caches = self.kv_caches if self.kv_layers is None else self.kv_layers
-        return self.model(tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev), caches, meta)
+        return self.model(ids_t, pos_t, caches, meta)
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""

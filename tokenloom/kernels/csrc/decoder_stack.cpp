@@ -1,0 +1,114 @@
+// A decode-only step through a whole Llama-family decoder stack in one call (tokenloom/model/native_decode.py).
+//
+// Layer by layer from Python, a batch-1 decode step of the embedded model makes ~330 op calls: ~11 a layer
+// (two add-and-norms, four quantized GEMMs, the QKV split, rotary, the cache write, attention, SiLU-and-mul).
+// Their Python and dispatch cost was ~4 ms of a 13.7 ms step (py-spy: 16% of the samples in the layers'
+// Python; ~2.5 us of dispatch a call). This op runs the same ops, in the same order, on the same inputs,
+// from C++: each through the dispatcher (a fraction of a microsecond), so the hidden states are the layer-
+// by-layer forward's bit for bit. It holds no weights: the caller passes them (lists built once at load).
+//
+// weights: per layer, in order, input norm, post-attention norm, then qkv, o, gate_up, down, each as the
+// interleaved panels (qpacked, scales, mins). layer_ints: per layer, its sliding window (0: none), then per
+// linear (n, bits, block_size, int8 activations 0/1).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t WEIGHTS_PER_LAYER = 14;     // 2 norms + 4 linears x (qpacked, scales, mins)
+constexpr int64_t INTS_PER_LAYER = 1 + 4 * 4;  // window + 4 linears x (n, bits, block_size, a8)
+
+using TensorCRef = const at::Tensor&;
+using GemmFn = at::Tensor(TensorCRef, TensorCRef, TensorCRef, TensorCRef, int64_t, int64_t, int64_t);
+using RmsNormFn = at::Tensor(TensorCRef, TensorCRef, double);
+using AddRmsNormFn = std::tuple<at::Tensor, at::Tensor>(TensorCRef, TensorCRef, TensorCRef, double);
+using RotaryFn = std::tuple<at::Tensor, at::Tensor>(TensorCRef, TensorCRef, TensorCRef, TensorCRef, TensorCRef);
+using WriteKvFn = void(TensorCRef, TensorCRef, at::Tensor&, TensorCRef);
+using DecodeFn = at::Tensor(TensorCRef, TensorCRef, TensorCRef, TensorCRef, double, int64_t);
+using SiluMulFn = at::Tensor(TensorCRef);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+// The ops this one runs, looked up once (the first call; every op's library is loaded by then).
+struct Ops {
+  c10::TypedOperatorHandle<GemmFn> gemm = find<GemmFn>("tokenloom::quant_gemm");
+  c10::TypedOperatorHandle<GemmFn> gemm_a8 = find<GemmFn>("tokenloom::quant_gemm_a8");
+  c10::TypedOperatorHandle<RmsNormFn> rms_norm = find<RmsNormFn>("tokenloom::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm = find<AddRmsNormFn>("tokenloom::add_rms_norm");
+  c10::TypedOperatorHandle<RotaryFn> rotary = find<RotaryFn>("tokenloom::rotary_embedding");
+  c10::TypedOperatorHandle<WriteKvFn> write_kv = find<WriteKvFn>("tokenloom::write_kv_cache");
+  c10::TypedOperatorHandle<DecodeFn> attend = find<DecodeFn>("tokenloom::paged_attention_decode");
+  c10::TypedOperatorHandle<SiluMulFn> silu_and_mul = find<SiluMulFn>("tokenloom::silu_and_mul");
+};
+
+const Ops& ops() {
+  static const Ops instance;
+  return instance;
+}
+
+// One quantized linear of a layer: its panels in `weights` from `w`, its ints in `ints` from `i`.
+at::Tensor linear(const Ops& o, TensorCRef x, at::TensorList weights, int64_t w, c10::IntArrayRef ints, int64_t i) {
+  const auto& gemm = ints[i + 3] ? o.gemm_a8 : o.gemm;
+  return gemm.call(x, weights[w], weights[w + 1], weights[w + 2], ints[i], ints[i + 1], ints[i + 2]);
+}
+
+at::Tensor decoder_stack_decode(TensorCRef embeddings, TensorCRef positions, at::TensorList weights,
+                                c10::IntArrayRef layer_ints, TensorCRef final_norm, TensorCRef cos, TensorCRef sin,
+                                at::TensorList kv_caches, TensorCRef slot_mapping, TensorCRef block_tables,
+                                TensorCRef context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER,
+              "decoder_stack_decode: ", WEIGHTS_PER_LAYER, " weight tensors a layer, one KV cache a layer");
+  TORCH_CHECK(static_cast<int64_t>(layer_ints.size()) == layers * INTS_PER_LAYER,
+              "decoder_stack_decode: ", INTS_PER_LAYER, " ints a layer");
+  TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat,
+              "decoder_stack_decode: embeddings must be float32 [tokens, hidden]");
+  const Ops& o = ops();
+  const int64_t T = embeddings.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor x = embeddings, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::TensorList w = weights.slice(l * WEIGHTS_PER_LAYER, WEIGHTS_PER_LAYER);
+    const c10::IntArrayRef ints = layer_ints.slice(l * INTS_PER_LAYER, INTS_PER_LAYER);
+    at::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = o.rms_norm.call(x, w[0], eps);
+    } else {
+      std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps);
+    }
+    const at::Tensor qkv = linear(o, h, w, 2, ints, 1);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    at::Tensor q_rot, k_rot;
+    std::tie(q_rot, k_rot) = o.rotary.call(positions, q, k, cos, sin);
+    at::Tensor cache = kv_caches[l];
+    o.write_kv.call(k_rot, v, cache, slot_mapping);
+    const at::Tensor attended = o.attend.call(q_rot, cache, block_tables, context_lens, scale, ints[0]);
+    const at::Tensor attn_out = linear(o, attended, w, 5, ints, 5);
+    std::tie(h, residual) = o.add_rms_norm.call(attn_out, residual, w[1], eps);
+    const at::Tensor gate_up = linear(o, h, w, 8, ints, 9);
+    x = linear(o, o.silu_and_mul.call(gate_up), w, 11, ints, 13);
+  }
+  if (layers == 0) return o.rms_norm.call(x, final_norm, eps);
+  return std::get<0>(o.add_rms_norm.call(x, residual, final_norm, eps));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("decoder_stack_decode(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, "
+        "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack_decode", &decoder_stack_decode); }
