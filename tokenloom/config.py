@@ -67,7 +67,7 @@ class ModelConfig:
     quantized_matmul: str = "exact"  # exact | w4a8: how quantized GGUF weights multiply (tokenloom/kernels)
     # tokenloom.model.layers.attention_backend: auto | torch | native (CPU kernels) | flashinfer (CUDA)
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs, no native decoder stack (model/cuda_graphs.py, native_decode.py)
+    enforce_eager: bool = False  # no CUDA graphs, no native decoder stack (model/cuda_graphs.py, native_stack.py)
     cuda_graph_sizes: list[int] | None = None  # CUDA: decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
     # vLLM's --runner / --convert: "pooling" (or convert "embed") serves embeddings instead of generation;
     # auto: pooling for an encoder (BERT), generate otherwise. See tokenloom/model/pooler.py.
@@ -398,7 +398,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true",
                    default=env_default("enforce_eager", None, bool),
                    help="run every step layer by layer: no CUDA graphs for decode steps on CUDA, no native decoder "
-                        "stack on the CPU (tokenloom.model.native_decode)")
+                        "stack on the CPU (tokenloom.model.native_stack)")
     g.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=None,
                    help="CUDA: decode batch sizes to capture as graphs (default 1 2 4 8 16 24 ... --max-num-seqs)")
     opt("runner", str, "generate | pooling (embeddings, /v1/embeddings) | auto (default: pooling for an encoder "

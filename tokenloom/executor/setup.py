@@ -22,7 +22,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend, Scheduled
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
-from tokenloom.model.native_decode import NativeDecode
+from tokenloom.model.native_stack import NativeStack
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.model.runner import ModelRunner
@@ -184,7 +184,7 @@ def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
     if graphs:
         runner.graphs = capture_decode_graphs(loaded.model, kv_caches, arch, config, max_len, progress)
     elif device.type == "cpu" and not config.model.enforce_eager:
-        runner.native_decode = NativeDecode.build(loaded.model, attention.name)
+        runner.native_stack = NativeStack.build(loaded.model, attention.name)
     release_free_heap()  # what loading and the warm-up freed (5 MiB on the embedded model): heap_trim.py
     if tp_group().is_first:
         logger.info("attention backend: %s", backend)

@@ -47,7 +47,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.model.cuda_graphs)
-        self.native_decode = None  # NativeDecode on CPU unless --enforce-eager (tokenloom.model.native_decode)
+        self.native_stack = None  # NativeStack on CPU unless --enforce-eager (tokenloom.model.native_stack)
         self.drafter: WorkerProposer | None = None  # a proposer that runs here (draft model), set by the setup
 
     # ---- state --------------------------------------------------------------
@@ -145,14 +145,14 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
         """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, the
-        native decoder stack for a decode-only step on the CPU, else an eager forward."""
+        native decoder stack on the CPU, else the layer-by-layer forward."""
         if self.graphs is not None and self.kv_layers is None and self.graphs.can_run(spans):
             return self.graphs.run(ids, pos, slots, spans)
         dev = self.device
         meta = self.attention.build_metadata(spans, tensor_on(slots, torch.long, dev))
         ids_t, pos_t = tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev)
-        if self.native_decode is not None and self.kv_layers is None and self.native_decode.can_run(spans):
-            return self.native_decode.run(ids_t, pos_t, self.kv_caches, meta)
+        if self.native_stack is not None and self.kv_layers is None and self.native_stack.can_run():
+            return self.native_stack.run(ids_t, pos_t, self.kv_caches, meta)
         caches = self.kv_caches if self.kv_layers is None else self.kv_layers
         return self.model(ids_t, pos_t, caches, meta)
 

@@ -1,4 +1,4 @@
-// A decode-only step through a whole Llama-family decoder stack in one call (tokenloom/model/native_decode.py).
+// A step through a whole Llama-family decoder stack in one call (tokenloom/model/native_stack.py).
 //
 // Layer by layer from Python, a batch-1 decode step of the embedded model makes ~330 op calls: ~11 a layer
 // (two add-and-norms, four quantized GEMMs, the QKV split, rotary, the cache write, attention, SiLU-and-mul).
@@ -6,6 +6,10 @@
 // Python; ~2.5 us of dispatch a call). This op runs the same ops, in the same order, on the same inputs,
 // from C++: each through the dispatcher (a fraction of a microsecond), so the hidden states are the layer-
 // by-layer forward's bit for bit. It holds no weights: the caller passes them (lists built once at load).
+// Any step: the flat batch's first `num_decodes` rows are decodes (one token each), the rest prefill chunks
+// (each a run of rows, causal over its sequence's cache), attended as the native backend does
+// (tokenloom/model/layers/attention_native.py): decodes by paged_attention_decode, chunks by
+// paged_attention_prefill, after write_kv_cache has put the step's K/V in the cache.
 //
 // weights: per layer, in order, input norm, post-attention norm, then qkv, o, gate_up, down, each as the
 // interleaved panels (qpacked, scales, mins). layer_ints: per layer, its sliding window (0: none), then per
@@ -29,6 +33,7 @@ using AddRmsNormFn = std::tuple<at::Tensor, at::Tensor>(TensorCRef, TensorCRef, 
 using RotaryFn = std::tuple<at::Tensor, at::Tensor>(TensorCRef, TensorCRef, TensorCRef, TensorCRef, TensorCRef);
 using WriteKvFn = void(TensorCRef, TensorCRef, at::Tensor&, TensorCRef);
 using DecodeFn = at::Tensor(TensorCRef, TensorCRef, TensorCRef, TensorCRef, double, int64_t);
+using PrefillFn = void(TensorCRef, TensorCRef, TensorCRef, TensorCRef, TensorCRef, double, int64_t, at::Tensor&);
 using SiluMulFn = at::Tensor(TensorCRef);
 
 template <typename Fn>
@@ -44,7 +49,8 @@ struct Ops {
   c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm = find<AddRmsNormFn>("tokenloom::add_rms_norm");
   c10::TypedOperatorHandle<RotaryFn> rotary = find<RotaryFn>("tokenloom::rotary_embedding");
   c10::TypedOperatorHandle<WriteKvFn> write_kv = find<WriteKvFn>("tokenloom::write_kv_cache");
-  c10::TypedOperatorHandle<DecodeFn> attend = find<DecodeFn>("tokenloom::paged_attention_decode");
+  c10::TypedOperatorHandle<DecodeFn> decode = find<DecodeFn>("tokenloom::paged_attention_decode");
+  c10::TypedOperatorHandle<PrefillFn> prefill = find<PrefillFn>("tokenloom::paged_attention_prefill");
   c10::TypedOperatorHandle<SiluMulFn> silu_and_mul = find<SiluMulFn>("tokenloom::silu_and_mul");
 };
 
@@ -59,18 +65,48 @@ at::Tensor linear(const Ops& o, TensorCRef x, at::TensorList weights, int64_t w,
   return gemm.call(x, weights[w], weights[w + 1], weights[w + 2], ints[i], ints[i + 1], ints[i + 2]);
 }
 
-at::Tensor decoder_stack_decode(TensorCRef embeddings, TensorCRef positions, at::TensorList weights,
-                                c10::IntArrayRef layer_ints, TensorCRef final_norm, TensorCRef cos, TensorCRef sin,
-                                at::TensorList kv_caches, TensorCRef slot_mapping, TensorCRef block_tables,
-                                TensorCRef context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                double eps, double scale) {
+// Where the step's rows attend: the native attention backend's metadata (NativeAttentionMetadata).
+struct StepAttention {
+  int64_t num_decodes;
+  const c10::optional<at::Tensor>& decode_tables;
+  const c10::optional<at::Tensor>& decode_lens;
+  const c10::optional<at::Tensor>& prefill_tables;
+  const c10::optional<at::Tensor>& prefill_starts;
+  const c10::optional<at::Tensor>& prefill_lens;
+};
+
+// One layer's attention over its cache (already holding the step's K/V), as NativeAttention.__call__.
+at::Tensor attend(const Ops& o, TensorCRef q, TensorCRef cache, const StepAttention& a, double scale, int64_t window) {
+  const int64_t T = q.size(0), d = a.num_decodes;
+  at::Tensor decoded;
+  if (d) {
+    decoded = o.decode.call(d == T ? q : q.narrow(0, 0, d), cache, *a.decode_tables, *a.decode_lens, scale, window);
+    if (d == T) return decoded;
+  }
+  at::Tensor out = at::empty({T, q.size(1) * q.size(2)}, q.options());
+  if (d) out.narrow(0, 0, d).copy_(decoded);
+  o.prefill.call(q, cache, *a.prefill_tables, *a.prefill_starts, *a.prefill_lens, scale, window, out);
+  return out;
+}
+
+at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::TensorList weights, c10::IntArrayRef layer_ints,
+                         TensorCRef final_norm, TensorCRef cos, TensorCRef sin, at::TensorList kv_caches,
+                         TensorCRef slot_mapping, int64_t num_decodes, const c10::optional<at::Tensor>& decode_tables,
+                         const c10::optional<at::Tensor>& decode_lens, const c10::optional<at::Tensor>& prefill_tables,
+                         const c10::optional<at::Tensor>& prefill_starts, const c10::optional<at::Tensor>& prefill_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER,
-              "decoder_stack_decode: ", WEIGHTS_PER_LAYER, " weight tensors a layer, one KV cache a layer");
+              "decoder_stack: ", WEIGHTS_PER_LAYER, " weight tensors a layer, one KV cache a layer");
   TORCH_CHECK(static_cast<int64_t>(layer_ints.size()) == layers * INTS_PER_LAYER,
-              "decoder_stack_decode: ", INTS_PER_LAYER, " ints a layer");
+              "decoder_stack: ", INTS_PER_LAYER, " ints a layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat,
-              "decoder_stack_decode: embeddings must be float32 [tokens, hidden]");
+              "decoder_stack: embeddings must be float32 [tokens, hidden]");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= embeddings.size(0), "decoder_stack: num_decodes outside the batch");
+  TORCH_CHECK(!num_decodes || (decode_tables && decode_lens), "decoder_stack: decodes need their tables and lengths");
+  TORCH_CHECK(num_decodes == embeddings.size(0) || (prefill_tables && prefill_starts && prefill_lens),
+              "decoder_stack: prefill rows need their chunks' tables, starts and lengths");
+  const StepAttention step{num_decodes, decode_tables, decode_lens, prefill_tables, prefill_starts, prefill_lens};
   const Ops& o = ops();
   const int64_t T = embeddings.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = embeddings, residual;
@@ -92,7 +128,7 @@ at::Tensor decoder_stack_decode(TensorCRef embeddings, TensorCRef positions, at:
     std::tie(q_rot, k_rot) = o.rotary.call(positions, q, k, cos, sin);
     at::Tensor cache = kv_caches[l];
     o.write_kv.call(k_rot, v, cache, slot_mapping);
-    const at::Tensor attended = o.attend.call(q_rot, cache, block_tables, context_lens, scale, ints[0]);
+    const at::Tensor attended = attend(o, q_rot, cache, step, scale, ints[0]);
     const at::Tensor attn_out = linear(o, attended, w, 5, ints, 5);
     std::tie(h, residual) = o.add_rms_norm.call(attn_out, residual, w[1], eps);
     const at::Tensor gate_up = linear(o, h, w, 8, ints, 9);
@@ -105,10 +141,10 @@ at::Tensor decoder_stack_decode(TensorCRef embeddings, TensorCRef positions, at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
-  m.def("decoder_stack_decode(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, "
-        "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "float scale) -> Tensor");
+  m.def("decoder_stack(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, Tensor final_norm, "
+        "Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, int num_decodes, Tensor? decode_tables, "
+        "Tensor? decode_lens, Tensor? prefill_tables, Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, "
+        "int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack_decode", &decoder_stack_decode); }
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

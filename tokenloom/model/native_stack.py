@@ -1,17 +1,16 @@
-"""Decode-only steps of a Llama-family model on the CPU in one native call: the CPU's answer to CUDA graphs.
+"""A Llama-family model's step on the CPU in one native call: the CPU's answer to CUDA graphs.
 
 A small model's decode step at batch 1 is dominated by what surrounds its ops: the embedded SmolLM2 makes
 ~330 native op calls a step (11 a layer), each with its Python (the layers' forward, the linear methods)
-and its dispatch, ~4 ms of a 13.7 ms step. `tokenloom::decoder_stack_decode` (csrc/decoder_stack.cpp)
-runs the same ops in the same order from C++, so its hidden states are the layer-by-layer forward's bit
-for bit, and a step costs one Python call for the whole stack.
+and its dispatch, ~4 ms of a 13.7 ms step. `tokenloom::decoder_stack` (csrc/decoder_stack.cpp) runs the
+same ops in the same order from C++, so its hidden states are the layer-by-layer forward's bit for bit,
+and a step costs one Python call for the whole stack: decodes, prefill chunks, or both.
 
-It serves the steps it can serve exactly and leaves the rest to the eager forward: decode-only steps
-(every sequence one new token: no prefill chunk, no speculative verify span) of a `LlamaForCausalLM` whose
-layers all run on the native ops: quantized weights in the interleaved panels (GGUF, exact or W4A8), no
-biases, no QK norm, SiLU, float32 RMSNorm, the native attention backend, one tensor-parallel rank.
-`--enforce-eager`, a KV connector's per-layer hooks, and the step profiler (which times the layers' ops
-apart) keep the eager forward.
+It serves a `LlamaForCausalLM` whose layers all run on the native ops: quantized weights in the
+interleaved panels (GGUF, exact or W4A8), no biases, no QK norm, SiLU, float32 RMSNorm, the native
+attention backend, one tensor-parallel rank. Any other model runs layer by layer, and so does every step
+under `--enforce-eager`, with a KV connector's per-layer hooks, or under the step profiler (which times
+the layers' ops apart).
 """
 from __future__ import annotations
 
@@ -19,14 +18,13 @@ import logging
 
 import torch
 
-from tokenloom.model.layers.attention_backend import ScheduledSpan
 from tokenloom.profiler import PROFILER
 
 logger = logging.getLogger("tokenloom.engine")
 
 
-class NativeDecode:
-    """The argument lists of `decoder_stack_decode` for one loaded model, built once."""
+class NativeStack:
+    """The argument lists of `tokenloom::decoder_stack` for one loaded model, built once."""
 
     def __init__(self, model, weights: list[torch.Tensor], linears: list, windows: list[int], scale: float):
         cfg = model.config
@@ -57,12 +55,12 @@ class NativeDecode:
         return self._layer_ints
 
     @classmethod
-    def build(cls, model, attention_backend_name: str) -> NativeDecode | None:
+    def build(cls, model, attention_backend_name: str) -> NativeStack | None:
         """The fast path for this model, or None (with a debug line saying why) when some layer needs the
         eager forward."""
         reason = _unsupported(model, attention_backend_name)
         if reason:
-            logger.debug("decode steps run layer by layer: %s", reason)
+            logger.debug("steps run layer by layer: %s", reason)
             return None
         weights: list[torch.Tensor] = []
         linears = []
@@ -77,19 +75,20 @@ class NativeDecode:
         return cls(model, weights, linears, windows, model.model.layers[0].self_attn.attn.scale)
 
     @staticmethod
-    def can_run(spans: list[ScheduledSpan]) -> bool:
-        return not PROFILER.enabled and all(s.num_tokens == 1 for s in spans)
+    def can_run() -> bool:
+        return not PROFILER.enabled
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        """The final norm's output for a decode-only step; `meta` is the native backend's metadata."""
-        return torch.ops.tokenloom.decoder_stack_decode(
+        """The final norm's output for the flat batch; `meta` is the native backend's NativeAttentionMetadata."""
+        return torch.ops.tokenloom.decoder_stack(
             self.embed_tokens(input_ids), positions, self.weights, self.layer_ints(), self.final_norm.weight,
-            self.rotary.cos, self.rotary.sin, kv_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
+            self.rotary.cos, self.rotary.sin, kv_caches, meta.slot_mapping, meta.num_decodes, meta.block_tables,
+            meta.context_lens, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
 
 
 def _unsupported(model, attention_backend_name: str) -> str | None:
-    """Why this model's decode steps cannot take the native stack, or None when they can."""
+    """Why this model's steps cannot take the native stack, or None when they can."""
     from tokenloom import kernels
     from tokenloom.distributed.parallel_state import tp_group
     from tokenloom.model.layers.attention_native import NativeAttention
