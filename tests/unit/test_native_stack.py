@@ -15,12 +15,13 @@ PROMPTS = random_prompts(5, [3, 17, 40, 16, 29], vocab=49152, seed=3)
 
 
 @pytest.fixture(scope="module")
-def quantized(embedded_path):
+def quantized(embedded_loaded):
+    """The session's load of the embedded model: its weights kept quantized when the kernels load."""
     from tokenloom import kernels
-    if not kernels.load():
+    from tokenloom.model.layers.quantized_linear import quantized_weights
+    if not kernels.load() or not quantized_weights(embedded_loaded.model):
         pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
-    from tokenloom.model.loader import load_model
-    return load_model(embedded_path, torch.float32, torch.device("cpu"), progress=False, quantized=True)
+    return embedded_loaded
 
 
 @torch.inference_mode()
@@ -153,7 +154,7 @@ def test_enforce_eager_keeps_the_layer_by_layer_forward(make_llm):
 
 
 def test_greedy_output_is_the_same_with_and_without_it(make_llm):
-    params = greedy_params(max_tokens=24)
+    params = greedy_params(max_tokens=12)
     fast = make_llm().generate(PROMPTS, params, use_tqdm=False)
     eager = make_llm(enforce_eager=True).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in eager]
