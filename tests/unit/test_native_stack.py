@@ -144,7 +144,7 @@ def test_the_step_profiler_keeps_the_layer_by_layer_forward():
         PROFILER.enabled = False
 
 
-def test_the_engine_runs_the_embedded_model_through_it(make_llm):
+def test_the_engine_runs_the_embedded_model_through_it(make_llm, quantized):
     llm = make_llm()
     assert llm.engine.executor.worker.runner.native_stack is not None
 
