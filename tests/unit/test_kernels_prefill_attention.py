@@ -9,6 +9,8 @@ import torch
 
 from tokenloom import kernels
 from tokenloom.kernels.prefill_attention_ops import paged_attention_prefill_reference
+from tokenloom.model.layers.attention_backend import ScheduledSpan
+from tokenloom.model.layers.attention_native import NativeAttentionBackend
 
 pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(not kernels.enabled(), reason="native kernels not loaded (TOKENLOOM_KERNELS=off?)")]
@@ -123,3 +125,18 @@ def test_the_op_fake_implementation_agrees_with_the_kernel():
     out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
     torch.library.opcheck(torch.ops.tokenloom.paged_attention_prefill.default,
                           (q, cache, tables, starts, lens, 0.125, 0, out), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_backend_describes_all_chunks_of_a_step_for_one_call():
+    spans = [ScheduledSpan(0, 40, 1, [1, 2, 3]), ScheduledSpan(1, 0, 30, [4, 5]), ScheduledSpan(31, 16, 8, [6, 7])]
+    meta = NativeAttentionBackend().build_metadata(spans, torch.arange(39))
+    assert meta.num_prefills == 2
+    assert meta.prefill_query_starts.tolist() == [1, 31, 39]
+    assert meta.prefill_context_lens.tolist() == [30, 24]
+    assert meta.prefill_block_tables.tolist() == [[4, 5], [6, 7]]
+
+
+def test_the_backend_refuses_prefill_chunks_that_do_not_follow_one_another():
+    spans = [ScheduledSpan(0, 0, 30, [4, 5]), ScheduledSpan(31, 16, 8, [6, 7])]
+    with pytest.raises(ValueError, match="follow one another"):
+        NativeAttentionBackend().build_metadata(spans, torch.arange(38))
