@@ -6,11 +6,15 @@
 // in the cache, the new one included). Query head h reads KV head h / (heads / kv_heads) (GQA).
 //
 // Work split: each sequence's attended span [left, context_len) is cut into partitions of PARTITION
-// tokens, one task per (sequence, KV head, partition), so a long context spreads over all threads. A
-// task computes its partition's scores for every query head of its KV head (K read once for the group),
-// the softmax numerator with its own max, and the weighted sum of V; a second pass merges partitions
-// (rescaling by exp(max_i - max)). The partition boundaries depend only on the span, never on the batch
-// or the thread count, so a sequence's output does not depend on what else is in the batch.
+// tokens; a task is one (sequence, partition) with all of its KV heads, or one KV head of it when there
+// are too few partitions to keep the threads busy (heads_per_task_for). A task walks its partition a
+// segment of 16 tokens (a cache block) at a time, every head of the task per segment, so it reads each
+// block front to back (a token's heads are adjacent). Per KV head it scores the keys for the whole GQA
+// group (each K row widened once, then the G query heads dot it from L1), takes the softmax numerator
+// with its own max, and adds up V for the group (each V row loaded once for the G heads); a second pass
+// merges partitions (rescaling by exp(max_i - max)). The partition boundaries depend only on the span,
+// never on the batch or the thread count, and every (sequence, head, partition) runs the same arithmetic
+// whichever task holds it, so a sequence's output does not depend on what else is in the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,8 +30,8 @@ namespace {
 
 using namespace tokenloom_vec;
 
-// Tokens per task. 128: batch 1 at context 256 with 3 KV heads makes 6 tasks for 2 threads; the merge
-// pass costs a few percent at this size (measured with bench_kernels in tests/unit/test_kernels_attention.py).
+// Tokens per partition. 128: batch 1 at context 256 makes two tasks (all 3 KV heads each), one per thread;
+// the merge pass costs a few percent at this size (python -m tokenloom.bench.fused_kernels).
 constexpr int64_t PARTITION = 128;
 constexpr int64_t MAX_GROUP_DIM = 8192;  // query heads per KV head x head_dim held in one task's accumulator
 
@@ -44,6 +48,12 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 // Keys per segment: a task walks its partition 16 tokens at a time (a block of the cache when the span
 // starts on a block edge), every KV head of the task per segment, so it reads each block front to back.
 constexpr int64_t SEGMENT = 16;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
 
 // q . k over head_dim, vectorised where head_dim allows it.
 template <typename T>
@@ -67,10 +77,10 @@ inline void axpy(float* acc, float w, const T* v, int64_t dim) {
 
 // ---- register-blocked paths for head dims that are a multiple of the vector width ---------------------------
 // The generic loops above spend most of their instructions outside the multiply-adds: a horizontal sum per
-// (key, query head), and a load and store of the accumulator per value row. Below, one query head at a time:
-// its q (and its output accumulator) stay in NV registers for the whole partition; keys are scored 16 at a
-// time (AVX512) with one transpose-and-add tree for the 16 sums (~45 instructions instead of 16 horizontal
-// sums). Batch invariance is kept: the instruction sequence depends only on the partition's length.
+// (key, query head), and a load and store of the accumulator per value row. Below, a query head's q stays in
+// NV registers while it scores a segment, 16 keys at a time (AVX512) with one transpose-and-add tree for the
+// 16 sums; the value pass keeps a chunk of the group's output accumulators in registers. Batch invariance is
+// kept: the instruction sequence depends only on the partition's length.
 #if defined(__AVX512F__)
 // r[i] = sum of v[i]'s 16 lanes, for 16 vectors at once.
 inline __m512 reduce16(__m512* v) {
@@ -86,10 +96,9 @@ inline __m512 reduce16(__m512* v) {
 }
 #endif
 
-// Query heads of one GQA group handled together (a "chunk" of the group): each K or V row is loaded and
-// converted once for all of them instead of once per query head. The chunk is as large as the accumulators
-// allow: the value pass keeps GC x NV output vectors in registers beside the NV of the row (AVX512 has 32
-// registers, AVX2 16).
+// The value pass takes a GQA group's query heads in chunks: each V row is loaded (and widened) once for the
+// chunk instead of once per query head. A chunk is as large as the accumulators allow: GC x NV output
+// vectors in registers beside the NV of the row (AVX512 has 32 registers, AVX2 16).
 #if defined(__AVX512F__)
 constexpr int ACC_REGISTERS = 16;
 #else
@@ -204,7 +213,6 @@ inline int64_t heads_per_task_for(int64_t partitions, int64_t kv_heads, int64_t 
   return partitions >= 4 * threads || grouped_load == split_load ? kv_heads : 1;
 }
 
-
 struct Task {
   int64_t seq, first, last;      // tokens [first, last)
   int64_t slot;                  // index of this partition's partial result
@@ -212,19 +220,13 @@ struct Task {
   int64_t segments() const { return std::max<int64_t>(0, (last - first + SEGMENT - 1) / SEGMENT); }
 };
 
-// Where a task's K and V rows lie: the row of token pos for the task's first KV head (its other heads
-// follow it, head_stride apart).
+// Where a task's K and V rows lie, for its first KV head (its other heads follow, head_stride apart).
 template <typename T>
 struct RowFinder {
   const T* k_base;
   const T* v_base;
   const int32_t* tables;
   int64_t table_width, block_size, block_stride, token_stride, head_stride;
-  const T* at(const T* base, const Task& task, int64_t pos) const {
-    const int32_t* table = tables + task.seq * table_width;
-    return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-           task.head_begin * head_stride;
-  }
   // rows[i] = the K (V) row of token task.first + i, walking the block table (no division per token).
   void fill(const Task& task, int64_t n, const T** krows, const T** vrows) const {
     const int32_t* table = tables + task.seq * table_width;
@@ -300,6 +302,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
       for (int64_t seg = 0; seg < segs; ++seg) {
         const int64_t i0 = seg * SEGMENT, m = std::min(SEGMENT, n - i0);
         for (int64_t h = 0; h < heads; ++h) {
+          // The next segment's keys and this segment's values start coming from memory while these keys are scored.
+          for (int64_t i = i0 + SEGMENT; i < std::min(n, i0 + 2 * SEGMENT); ++i) prefetch_row(krows[i] + h * head_stride, D);
+          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row(vrows[i] + h * head_stride, D);
           const float* qh = q_task + h * G * q_head_stride;
           float* sh = scores.data() + h * G * PARTITION + i0;
           const bool blocked = with_vectors_per_head(D, [&](auto nv) {
