@@ -10,7 +10,7 @@ the two outputs agree (max abs difference). `--cpu-time` times with process_time
 process, summed over its threads), steadier than wall time when other jobs load the machine; `--threads 1`
 takes the thread pool's barriers out of the figure.
 
-Usage: .venv/bin/python scripts/bench_decode_attention_ab.py [--base main] [--rounds 40] [--cpu-time] [--threads N]
+Usage: .venv/bin/python scripts/bench_decode_attention_ab.py [--base main] [--rounds 40] [--cpu-time] [--threads N] [--layers N]
        [--isa avx512|avx2] [--cases 32:285:bf16,32:285:f32,1:256:f32,1:4000:f32]
 """
 from __future__ import annotations
@@ -63,13 +63,13 @@ def _build(ref: str | None, isa: str) -> str:
     return ns
 
 
-def _case(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
+def _case(batch: int, context: int, dtype: torch.dtype, seed: int = 0, max_layers: int = LAYERS):
     """q, one shuffled-block cache per layer, block tables and contexts spread +-5% around `context`."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.clamp(context + torch.randint(-context // 20, context // 20 + 1, (batch,), generator=g), min=1)
     width = (int(lens.max()) + BLOCK - 1) // BLOCK
     num_blocks = batch * width
-    layers = max(1, min(LAYERS, (256 << 20) // (2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize)))
+    layers = max(1, min(max_layers, (256 << 20) // (2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize)))
     caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(layers)]
     tables = torch.randperm(num_blocks, generator=g).view(batch, width).int()
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
@@ -81,8 +81,8 @@ def _clock(cpu_time: bool):
     return time.process_time if cpu_time else time.perf_counter
 
 
-def _compare(ops: dict, batch: int, context: int, dtype: torch.dtype, rounds: int, cpu_time: bool):
-    q, caches, tables, lens, kv_bytes = _case(batch, context, dtype)
+def _compare(ops: dict, batch: int, context: int, dtype: torch.dtype, rounds: int, cpu_time: bool, layers: int):
+    q, caches, tables, lens, kv_bytes = _case(batch, context, dtype, max_layers=layers)
     scale = HEAD_DIM ** -0.5
     outs = {name: op(q, caches[0], tables, lens, scale, 0) for name, op in ops.items()}
     a, b = outs.values()
@@ -106,6 +106,8 @@ def main() -> int:
     p.add_argument("--base", default="main", help="git ref of the A side (B: the working tree)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--cpu-time", action="store_true")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="caches walked in turn (1: the K/V stay in the L3 cache between calls, the compute alone)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--isa", default="avx512", choices=sorted(FLAGS))
     p.add_argument("--cases", default="32:285:bf16,32:285:f32,1:256:f32,1:4000:f32")
@@ -116,11 +118,12 @@ def main() -> int:
     ops = {"A": getattr(getattr(torch.ops, ns_a), "paged_attention_decode"),
            "B": getattr(getattr(torch.ops, ns_b), "paged_attention_decode")}
     unit = "CPU us (process_time)" if args.cpu_time else "wall us"
-    print(f"A = {args.base}, B = working tree; ISA {args.isa}, {torch.get_num_threads()} threads; median {unit} a call")
+    print(f"A = {args.base}, B = working tree; ISA {args.isa}, {torch.get_num_threads()} threads, up to "
+          f"{args.layers} caches; median {unit} a call")
     for spec in args.cases.split(","):
         batch, context, dt = spec.split(":")
         dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
-        med, diff, kv_bytes = _compare(ops, int(batch), int(context), dtype, args.rounds, args.cpu_time)
+        med, diff, kv_bytes = _compare(ops, int(batch), int(context), dtype, args.rounds, args.cpu_time, args.layers)
         gbs = kv_bytes / (med["B"] * 1e-6) / 1e9
         print(f"batch {batch:>2} context {context:>5} {dt:<4}: A {med['A']:9.1f}  B {med['B']:9.1f}  "
               f"A/B {med['A'] / med['B']:5.2f}x  (B reads {kv_bytes / 1e6:.2f} MB at {gbs:5.1f} GB/s; "
