@@ -49,10 +49,15 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 // starts on a block edge), every KV head of the task per segment, so it reads each block front to back.
 constexpr int64_t SEGMENT = 16;
 
+// A row's cache lines requested into L2 ahead of use. Into L2, not L1: a task's rows for the next segment and
+// for the value pass (up to ~100 KB in flight) would evict each other from a 32 KB L1, and L1 prefetches
+// hold its few miss buffers. Batch 32 at context ~285 (bfloat16, one thread, K/V from memory): T1 hints
+// took 0.57x the time of T0 hints, and T0 for the next segment's keys with T1 for the values 0.83x
+// (scripts/bench_decode_attention_ab.py; PERFORMANCE.md, "Decode attention: ...").
 template <typename T>
-inline void prefetch_row(const T* p, int64_t dim) {
+inline void prefetch_row_to_l2(const T* p, int64_t dim) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // q . k over head_dim, vectorised where head_dim allows it.
@@ -303,8 +308,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         const int64_t i0 = seg * SEGMENT, m = std::min(SEGMENT, n - i0);
         for (int64_t h = 0; h < heads; ++h) {
           // The next segment's keys and this segment's values start coming from memory while these keys are scored.
-          for (int64_t i = i0 + SEGMENT; i < std::min(n, i0 + 2 * SEGMENT); ++i) prefetch_row(krows[i] + h * head_stride, D);
-          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row(vrows[i] + h * head_stride, D);
+          for (int64_t i = i0 + SEGMENT; i < std::min(n, i0 + 2 * SEGMENT); ++i)
+            prefetch_row_to_l2(krows[i] + h * head_stride, D);
+          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row_to_l2(vrows[i] + h * head_stride, D);
           const float* qh = q_task + h * G * q_head_stride;
           float* sh = scores.data() + h * G * PARTITION + i0;
           const bool blocked = with_vectors_per_head(D, [&](auto nv) {
