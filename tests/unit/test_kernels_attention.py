@@ -73,6 +73,23 @@ def test_a_sequence_decodes_bit_identically_alone_and_in_a_batch():
     assert torch.equal(batch[1:2], alone)
 
 
+def test_a_sequence_decodes_bit_identically_whether_its_kv_heads_share_a_task_or_not():
+    """Alone, a one-partition sequence gets a task per KV head; in a batch of 12 it shares one task with its
+    other heads; at 3 partitions, one thread takes all heads per task and two threads one head per task."""
+    q, cache, tables, lens = _decode_case([100] + [300] * 11, heads=9, kv_heads=3, seed=9)
+    batch = _native_decode(q, cache, tables, lens)
+    assert torch.equal(batch[:1], _native_decode(q[:1], cache, tables[:1], lens[:1]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _native_decode(q[1:2], cache, tables[1:2], lens[1:2])
+        torch.set_num_threads(2)
+        two = _native_decode(q[1:2], cache, tables[1:2], lens[1:2])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, batch[1:2])
+
+
 def test_a_context_longer_than_its_block_table_is_refused():
     q, cache, tables, lens = _decode_case([20])
     with pytest.raises(RuntimeError, match="exceeds its block table"):

@@ -6,11 +6,15 @@
 // in the cache, the new one included). Query head h reads KV head h / (heads / kv_heads) (GQA).
 //
 // Work split: each sequence's attended span [left, context_len) is cut into partitions of PARTITION
-// tokens, one task per (sequence, KV head, partition), so a long context spreads over all threads. A
-// task computes its partition's scores for every query head of its KV head (K read once for the group),
-// the softmax numerator with its own max, and the weighted sum of V; a second pass merges partitions
-// (rescaling by exp(max_i - max)). The partition boundaries depend only on the span, never on the batch
-// or the thread count, so a sequence's output does not depend on what else is in the batch.
+// tokens; a task is one (sequence, partition) with all of its KV heads, or one KV head of it when there
+// are too few partitions to keep the threads busy (heads_per_task_for). A task walks its partition a
+// segment of 16 tokens (a cache block) at a time, every head of the task per segment, so it reads each
+// block front to back (a token's heads are adjacent). Per KV head it scores the keys for the whole GQA
+// group (each K row widened once, then the G query heads dot it from L1), takes the softmax numerator
+// with its own max, and adds up V for the group (each V row loaded once for the G heads); a second pass
+// merges partitions (rescaling by exp(max_i - max)). The partition boundaries depend only on the span,
+// never on the batch or the thread count, and every (sequence, head, partition) runs the same arithmetic
+// whichever task holds it, so a sequence's output does not depend on what else is in the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,8 +30,8 @@ namespace {
 
 using namespace tokenloom_vec;
 
-// Tokens per task. 128: batch 1 at context 256 with 3 KV heads makes 6 tasks for 2 threads; the merge
-// pass costs a few percent at this size (measured with bench_kernels in tests/unit/test_kernels_attention.py).
+// Tokens per partition. 128: batch 1 at context 256 makes two tasks (all 3 KV heads each), one per thread;
+// the merge pass costs a few percent at this size (python -m tokenloom.bench.fused_kernels).
 constexpr int64_t PARTITION = 128;
 constexpr int64_t MAX_GROUP_DIM = 8192;  // query heads per KV head x head_dim held in one task's accumulator
 
@@ -41,14 +45,19 @@ inline vf load_kv<at::BFloat16>(const at::BFloat16* p) { return vload_bf16(reint
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-// Tokens ahead whose K or V row is prefetched: past the cache (~10 MB of KV here) the rows of shuffled blocks
-// come from memory, and a row's lines requested a few tokens early overlap their latency.
-constexpr int64_t PREFETCH_AHEAD = 4;
+// Keys per segment: a task walks its partition 16 tokens at a time (a block of the cache when the span
+// starts on a block edge), every KV head of the task per segment, so it reads each block front to back.
+constexpr int64_t SEGMENT = 16;
 
+// A row's cache lines requested into L2 ahead of use. Into L2, not L1: a task's rows for the next segment and
+// for the value pass (up to ~100 KB in flight) would evict each other from a 32 KB L1, and L1 prefetches
+// hold its few miss buffers. Batch 32 at context ~285 (bfloat16, one thread, K/V from memory): T1 hints
+// took 0.57x the time of T0 hints, and T0 for the next segment's keys with T1 for the values 0.83x
+// (scripts/bench_decode_attention_ab.py; PERFORMANCE.md, "Decode attention: ...").
 template <typename T>
-inline void prefetch_row(const T* p, int64_t dim) {
+inline void prefetch_row_to_l2(const T* p, int64_t dim) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // q . k over head_dim, vectorised where head_dim allows it.
@@ -73,10 +82,10 @@ inline void axpy(float* acc, float w, const T* v, int64_t dim) {
 
 // ---- register-blocked paths for head dims that are a multiple of the vector width ---------------------------
 // The generic loops above spend most of their instructions outside the multiply-adds: a horizontal sum per
-// (key, query head), and a load and store of the accumulator per value row. Below, one query head at a time:
-// its q (and its output accumulator) stay in NV registers for the whole partition; keys are scored 16 at a
-// time (AVX512) with one transpose-and-add tree for the 16 sums (~45 instructions instead of 16 horizontal
-// sums). Batch invariance is kept: the instruction sequence depends only on the partition's length.
+// (key, query head), and a load and store of the accumulator per value row. Below, a query head's q stays in
+// NV registers while it scores a segment, 16 keys at a time (AVX512) with one transpose-and-add tree for the
+// 16 sums; the value pass keeps a chunk of the group's output accumulators in registers. Batch invariance is
+// kept: the instruction sequence depends only on the partition's length.
 #if defined(__AVX512F__)
 // r[i] = sum of v[i]'s 16 lanes, for 16 vectors at once.
 inline __m512 reduce16(__m512* v) {
@@ -92,46 +101,83 @@ inline __m512 reduce16(__m512* v) {
 }
 #endif
 
-template <typename T, int NV>
-inline void score_keys(const float* q, const T* const* rows, int64_t n, float scale, bool prefetch, float* out) {
+// The value pass takes a GQA group's query heads in chunks: each V row is loaded (and widened) once for the
+// chunk instead of once per query head. A chunk is as large as the accumulators allow: GC x NV output
+// vectors in registers beside the NV of the row (AVX512 has 32 registers, AVX2 16).
+#if defined(__AVX512F__)
+constexpr int ACC_REGISTERS = 16;
+#else
+constexpr int ACC_REGISTERS = 8;
+#endif
+constexpr int MAX_CHUNK = 4;
+constexpr int chunk_heads(int nv) { return nv >= ACC_REGISTERS ? 1 : std::min(MAX_CHUNK, ACC_REGISTERS / nv); }
+
+// out[i] = scale * q . k_i for one query head over up to a segment's keys (float32 rows): q stays in NV
+// registers; with AVX512, 16 keys are scored at once and their 16 sums reduced by one transpose-and-add
+// tree (~45 instructions instead of 16 horizontal sums).
+template <int NV>
+inline void score_keys(const float* q, const float* const* rows, int64_t n, float scale, float* out) {
   vf qv[NV];
   for (int d = 0; d < NV; ++d) qv[d] = vload(q + d * VL);
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
-    if (prefetch)
-      for (int64_t j = i + 16; j < std::min<int64_t>(n, i + 32); ++j) prefetch_row(rows[j], NV * VL);
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
-      vf a = vmul(qv[0], load_kv<T>(rows[i + j]));
-      for (int d = 1; d < NV; ++d) a = vfma(qv[d], load_kv<T>(rows[i + j] + d * VL), a);
+      vf a = vmul(qv[0], vload(rows[i + j]));
+      for (int d = 1; d < NV; ++d) a = vfma(qv[d], vload(rows[i + j] + d * VL), a);
       acc[j] = a;
     }
     vstore(out + i, vmul(reduce16(acc), vset1(scale)));
   }
 #endif
   for (; i < n; ++i) {
-    if (prefetch && i + PREFETCH_AHEAD < n) prefetch_row(rows[i + PREFETCH_AHEAD], NV * VL);
-    vf a = vmul(qv[0], load_kv<T>(rows[i]));
-    for (int d = 1; d < NV; ++d) a = vfma(qv[d], load_kv<T>(rows[i] + d * VL), a);
+    vf a = vmul(qv[0], vload(rows[i]));
+    for (int d = 1; d < NV; ++d) a = vfma(qv[d], vload(rows[i] + d * VL), a);
     out[i] = vsum(a) * scale;
   }
 }
 
+// scores[g * PARTITION + i] for the G query heads of one KV head over a segment's keys (rows[i] + off).
+// Each key row is read from the cache once: a bfloat16 row is widened into `stage` (float32, exact), and
+// the G heads then score the segment from L1, each with the same instructions as a head alone.
 template <typename T, int NV>
-inline void weigh_values(const float* w, const T* const* rows, int64_t n, bool prefetch, float* out) {
-  vf acc[NV];
-  for (int d = 0; d < NV; ++d) acc[d] = vzero();
+inline void score_segment(const float* q, int64_t q_stride, int64_t G, const T* const* rows, int64_t off, int64_t n,
+                          float scale, float* stage, float* scores) {
+  const float* keys[SEGMENT];
   for (int64_t i = 0; i < n; ++i) {
-    if (prefetch && i + PREFETCH_AHEAD < n) prefetch_row(rows[i + PREFETCH_AHEAD], NV * VL);
-    const vf wv = vset1(w[i]);
-    for (int d = 0; d < NV; ++d) acc[d] = vfma(wv, load_kv<T>(rows[i] + d * VL), acc[d]);
+    if constexpr (std::is_same_v<T, float>) {
+      keys[i] = rows[i] + off;
+    } else {
+      float* dst = stage + i * NV * VL;
+      for (int d = 0; d < NV; ++d) vstore(dst + d * VL, load_kv<T>(rows[i] + off + d * VL));
+      keys[i] = dst;
+    }
   }
-  for (int d = 0; d < NV; ++d) vstore(out + d * VL, acc[d]);
+  for (int64_t g = 0; g < G; ++g) score_keys<NV>(q + g * q_stride, keys, n, scale, scores + g * PARTITION);
 }
 
-// Calls f with std::integral_constant<int, head_dim / VL> when the register-blocked paths have an
-// instantiation for head_dim; false when they do not (the generic loops run instead).
+// out[g * D ...] += sum_i w[g * PARTITION + i] * v_i for the GC query heads (values at rows[i] + off),
+// accumulated in token order: segment after segment, the same sums as one pass over the partition.
+template <typename T, int NV, int GC>
+inline void weigh_values(const float* w, const T* const* rows, int64_t off, int64_t n, float* out) {
+  vf acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int d = 0; d < NV; ++d) acc[g][d] = vload(out + g * NV * VL + d * VL);
+  for (int64_t i = 0; i < n; ++i) {
+    vf v[NV];
+    for (int d = 0; d < NV; ++d) v[d] = load_kv<T>(rows[i] + off + d * VL);
+    for (int g = 0; g < GC; ++g) {
+      const vf wv = vset1(w[g * PARTITION + i]);
+      for (int d = 0; d < NV; ++d) acc[g][d] = vfma(wv, v[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int d = 0; d < NV; ++d) vstore(out + g * NV * VL + d * VL, acc[g][d]);
+}
+
+// Calls f(integral_constant<int, head_dim / VL>) when the register-blocked paths have an instantiation
+// for head_dim; false when they do not (the generic loops run instead).
 template <typename F>
 bool with_vectors_per_head(int64_t D, F f) {
   if (D % VL) return false;
@@ -145,9 +191,62 @@ bool with_vectors_per_head(int64_t D, F f) {
   }
 }
 
+// Runs f(g0, integral_constant<int, heads>) over the group's query heads in chunks of at most CH heads.
+template <int CH, typename F>
+void over_chunks(int64_t G, F f) {
+  int64_t g = 0;
+  for (; g + CH <= G; g += CH) f(g, std::integral_constant<int, CH>{});
+  const int64_t rest = G - g;  // fewer than CH heads left
+  if constexpr (CH > 1) {
+    if (rest == 1) f(g, std::integral_constant<int, 1>{});
+  }
+  if constexpr (CH > 2) {
+    if (rest == 2) f(g, std::integral_constant<int, 2>{});
+  }
+  if constexpr (CH > 3) {
+    if (rest == 3) f(g, std::integral_constant<int, 3>{});
+  }
+}
+
+// KV heads per task: all of a sequence's heads in one task when there are enough (sequence, partition)
+// pairs to keep the threads busy (a token's heads are adjacent in the cache, so one task then streams
+// whole blocks), else one head per task so a single short sequence still spreads over the threads.
+// Either way each (sequence, head, partition) runs the same arithmetic, so results do not change.
+inline int64_t heads_per_task_for(int64_t partitions, int64_t kv_heads, int64_t threads) {
+  const int64_t grouped_load = (partitions + threads - 1) / threads * kv_heads;
+  const int64_t split_load = (partitions * kv_heads + threads - 1) / threads;
+  return partitions >= 4 * threads || grouped_load == split_load ? kv_heads : 1;
+}
+
 struct Task {
-  int64_t seq, kv_head, first, last;  // tokens [first, last)
-  int64_t slot;                       // index of this partition's partial result
+  int64_t seq, first, last;      // tokens [first, last)
+  int64_t slot;                  // index of this partition's partial result
+  int64_t head_begin, head_end;  // KV heads
+  int64_t segments() const { return std::max<int64_t>(0, (last - first + SEGMENT - 1) / SEGMENT); }
+};
+
+// Where a task's K and V rows lie, for its first KV head (its other heads follow, head_stride apart).
+template <typename T>
+struct RowFinder {
+  const T* k_base;
+  const T* v_base;
+  const int32_t* tables;
+  int64_t table_width, block_size, block_stride, token_stride, head_stride;
+  // rows[i] = the K (V) row of token task.first + i, walking the block table (no division per token).
+  void fill(const Task& task, int64_t n, const T** krows, const T** vrows) const {
+    const int32_t* table = tables + task.seq * table_width;
+    const int64_t v_offset = v_base - k_base;
+    int64_t block = task.first / block_size, in_block = task.first % block_size;
+    const T* block_row = k_base + table[block] * block_stride + task.head_begin * head_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      krows[i] = block_row + in_block * token_stride;
+      vrows[i] = krows[i] + v_offset;
+      if (++in_block == block_size && i + 1 < n) {
+        in_block = 0;
+        block_row = k_base + table[++block] * block_stride + task.head_begin * head_stride;
+      }
+    }
+  }
 };
 
 template <typename T>
@@ -158,70 +257,81 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
   const int64_t G = H / KVH;
   const float scale = static_cast<float>(scale_d);
   const T* k_base = kv_cache.data_ptr<T>();
-  const T* v_base = k_base + kv_cache.stride(0);
-  const int64_t block_stride = kv_cache.stride(1), token_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
+  const RowFinder<T> rows_of{k_base, k_base + kv_cache.stride(0), tables, table_width, block_size,
+                             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)};
+  const int64_t head_stride = kv_cache.stride(3);
   const float* q_base = q.data_ptr<float>();
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
 
-  std::vector<Task> tasks;
   std::vector<int64_t> first_slot(B + 1, 0);  // partitions of sequence b: slots first_slot[b] .. first_slot[b+1]
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lens[b];
     const int64_t left = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t parts = std::max<int64_t>(1, (len - left + PARTITION - 1) / PARTITION);
-    first_slot[b + 1] = first_slot[b] + parts;
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t p = 0; p < parts; ++p)
-        tasks.push_back({b, h, left + p * PARTITION, std::min(len, left + (p + 1) * PARTITION), first_slot[b] + p});
+    first_slot[b + 1] = first_slot[b] + std::max<int64_t>(1, (len - left + PARTITION - 1) / PARTITION);
+  }
+  const int64_t heads_per_task = heads_per_task_for(first_slot[B], KVH, at::get_num_threads());
+  std::vector<Task> tasks;
+  tasks.reserve(first_slot[B] * ((KVH + heads_per_task - 1) / heads_per_task));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b];
+    const int64_t left = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    for (int64_t h = 0; h < KVH; h += heads_per_task)
+      for (int64_t p = 0; p < first_slot[b + 1] - first_slot[b]; ++p)
+        tasks.push_back({b, left + p * PARTITION, std::min(len, left + (p + 1) * PARTITION), first_slot[b] + p, h,
+                         std::min(KVH, h + heads_per_task)});
   }
   // Partial results per (slot, KV head, query in group): D sums, then max and denominator.
   const int64_t rec = D + 2;
   std::vector<float> partial(static_cast<size_t>(first_slot[B] * KVH * G * rec));
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(G * PARTITION));
-    std::vector<float> acc(static_cast<size_t>(G * D));
+    std::vector<float> scores(static_cast<size_t>(KVH * G * PARTITION));  // [head in task][g][token]
+    std::vector<float> acc(static_cast<size_t>(KVH * G * D));             // [head in task][g][D]
     std::vector<const T*> krows(PARTITION), vrows(PARTITION);
+    std::vector<float> stage(static_cast<size_t>(SEGMENT * D));  // a segment's key rows widened to float32
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
-      const int32_t* table = tables + task.seq * table_width;
-      const float* qh = q_base + task.seq * q_seq_stride + task.kv_head * G * q_head_stride;
-      const int64_t n = task.last - task.first;
-      float* out_rec = partial.data() + ((task.slot * KVH + task.kv_head) * G) * rec;
+      const int64_t n = task.last - task.first, heads = task.head_end - task.head_begin;
+      const float* q_task = q_base + task.seq * q_seq_stride + task.head_begin * G * q_head_stride;
+      float* rec_task = partial.data() + ((task.slot * KVH + task.head_begin) * G) * rec;
       if (n <= 0) {  // an empty span (context 0): no keys, zero output
-        for (int64_t g = 0; g < G; ++g) {
-          std::fill(out_rec + g * rec, out_rec + g * rec + D, 0.0f);
-          out_rec[g * rec + D] = -INFINITY;
-          out_rec[g * rec + D + 1] = 0.0f;
+        for (int64_t g = 0; g < heads * G; ++g) {
+          std::fill(rec_task + g * rec, rec_task + g * rec + D, 0.0f);
+          rec_task[g * rec + D] = -INFINITY;
+          rec_task[g * rec + D + 1] = 0.0f;
         }
         continue;
       }
-      auto row = [&](const T* base, int64_t pos) {
-        return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-               task.kv_head * head_stride;
-      };
-      for (int64_t i = 0; i < n; ++i) {
-        krows[i] = row(k_base, task.first + i);
-        vrows[i] = row(v_base, task.first + i);
-      }
-      const bool blocked = with_vectors_per_head(D, [&](auto nv) {
-        for (int64_t g = 0; g < G; ++g)
-          score_keys<T, decltype(nv)::value>(qh + g * q_head_stride, krows.data(), n, scale, g == 0,
-                                             scores.data() + g * PARTITION);
-      });
-      if (!blocked) {
-        for (int64_t i = 0; i < n; ++i) {
-          if (i + PREFETCH_AHEAD < n) prefetch_row(krows[i + PREFETCH_AHEAD], D);
-          for (int64_t g = 0; g < G; ++g)
-            scores[g * PARTITION + i] = dot<T>(qh + g * q_head_stride, krows[i], D) * scale;
+      rows_of.fill(task, n, krows.data(), vrows.data());
+      const int64_t segs = task.segments();
+      for (int64_t seg = 0; seg < segs; ++seg) {
+        const int64_t i0 = seg * SEGMENT, m = std::min(SEGMENT, n - i0);
+        for (int64_t h = 0; h < heads; ++h) {
+          // The next segment's keys and this segment's values start coming from memory while these keys are scored.
+          for (int64_t i = i0 + SEGMENT; i < std::min(n, i0 + 2 * SEGMENT); ++i)
+            prefetch_row_to_l2(krows[i] + h * head_stride, D);
+          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row_to_l2(vrows[i] + h * head_stride, D);
+          const float* qh = q_task + h * G * q_head_stride;
+          float* sh = scores.data() + h * G * PARTITION + i0;
+          const bool blocked = with_vectors_per_head(D, [&](auto nv) {
+            score_segment<T, decltype(nv)::value>(qh, q_head_stride, G, krows.data() + i0, h * head_stride, m, scale,
+                                                  stage.data(), sh);
+          });
+          if (!blocked)
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t g = 0; g < G; ++g)
+                sh[g * PARTITION + i] = dot<T>(qh + g * q_head_stride, krows[i0 + i] + h * head_stride, D) * scale;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * PARTITION;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+      for (int64_t hg = 0; hg < heads * G; ++hg) {
+        float* s = scores.data() + hg * PARTITION;
         int64_t i = 0;
-        vf mv = vset1(m), sumv = vzero();
+        vf mxv = vset1(-INFINITY);
+        for (; i + VL <= n; i += VL) mxv = vmax(mxv, vload(s + i));
+        float mx = vhmax(mxv);
+        for (; i < n; ++i) mx = std::max(mx, s[i]);
+        i = 0;
+        vf mv = vset1(mx), sumv = vzero();
         for (; i + VL <= n; i += VL) {
           vf e = vexp(vsub(vload(s + i), mv));
           vstore(s + i, e);
@@ -229,26 +339,33 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         }
         float sum = vsum(sumv);
         for (; i < n; ++i) {
-          s[i] = sexp(s[i] - m);
+          s[i] = sexp(s[i] - mx);
           sum += s[i];
         }
-        out_rec[g * rec + D] = m;
-        out_rec[g * rec + D + 1] = sum;
+        rec_task[hg * rec + D] = mx;
+        rec_task[hg * rec + D + 1] = sum;
       }
-      if (blocked) {
-        with_vectors_per_head(D, [&](auto nv) {
-          for (int64_t g = 0; g < G; ++g)
-            weigh_values<T, decltype(nv)::value>(scores.data() + g * PARTITION, vrows.data(), n, g == 0,
-                                                 acc.data() + g * D);
-        });
-      } else {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t i = 0; i < n; ++i) {
-          if (i + PREFETCH_AHEAD < n) prefetch_row(vrows[i + PREFETCH_AHEAD], D);
-          for (int64_t g = 0; g < G; ++g) axpy<T>(acc.data() + g * D, scores[g * PARTITION + i], vrows[i], D);
+      std::fill(acc.begin(), acc.begin() + heads * G * D, 0.0f);
+      for (int64_t seg = 0; seg < segs; ++seg) {
+        const int64_t i0 = seg * SEGMENT, m = std::min(SEGMENT, n - i0);
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* wh = scores.data() + h * G * PARTITION + i0;
+          float* ah = acc.data() + h * G * D;
+          const bool blocked = with_vectors_per_head(D, [&](auto nv) {
+            constexpr int NV = decltype(nv)::value;
+            over_chunks<chunk_heads(NV)>(G, [&](int64_t g0, auto gc) {
+              weigh_values<T, NV, decltype(gc)::value>(wh + g0 * PARTITION, vrows.data() + i0, h * head_stride, m,
+                                                       ah + g0 * D);
+            });
+          });
+          if (!blocked)
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t g = 0; g < G; ++g)
+                axpy<T>(ah + g * D, wh[g * PARTITION + i], vrows[i0 + i] + h * head_stride, D);
         }
       }
-      for (int64_t g = 0; g < G; ++g) std::copy(acc.data() + g * D, acc.data() + (g + 1) * D, out_rec + g * rec);
+      for (int64_t hg = 0; hg < heads * G; ++hg)
+        std::copy(acc.data() + hg * D, acc.data() + (hg + 1) * D, rec_task + hg * rec);
     }
   });
 
