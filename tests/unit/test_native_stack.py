@@ -162,3 +162,23 @@ def test_greedy_output_is_the_same_with_and_without_it(make_llm):
 
 def test_a_dense_model_takes_the_eager_forward(make_core):
     assert make_core("llama").executor.worker.runner.native_stack is None
+
+
+def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
+    """Schema (the KV caches the only inputs written) and fake tensor: the op can sit in a compiled graph."""
+    from tokenloom.model.layers.attention_backend import ScheduledSpan
+    from tokenloom.model.layers.attention_native import NativeAttentionBackend
+    from tokenloom.model.native_stack import NativeStack
+    model = quantized.model
+    caches, tables = _prefilled(model, PROMPTS[:2], torch.float32)
+    spans = [ScheduledSpan(i, len(p), 1, t) for i, (p, t) in enumerate(zip(PROMPTS[:2], tables))]
+    slots = torch.tensor([t[len(p) // BLOCK] * BLOCK + len(p) % BLOCK for p, t in zip(PROMPTS[:2], tables)])
+    meta = NativeAttentionBackend().build_metadata(spans, slots)
+    stack = NativeStack.build(model, "native")
+    with torch.inference_mode():
+        embeddings = stack.embed_tokens(torch.tensor([p[-1] for p in PROMPTS[:2]]))
+    args = (embeddings, torch.tensor([len(p) for p in PROMPTS[:2]]), stack.weights, stack.layer_ints(),
+            stack.final_norm.weight, stack.rotary.cos, stack.rotary.sin, caches, meta.slot_mapping, meta.num_decodes,
+            meta.block_tables, meta.context_lens, None, None, None, stack.num_heads, stack.num_kv_heads,
+            stack.head_dim, stack.eps, stack.scale)
+    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args, test_utils=("test_schema", "test_faketensor"))
