@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from tokenloom.kernels.build import COMMON_FLAGS, FLAGS, _put_venv_ninja_on_path
+from tokenloom.kernels.build import COMMON_FLAGS, FLAGS, put_venv_ninja_on_path
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def _build(ref: str | None, isa: str) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "attention.cpp").write_text(cpp)
     (directory / "vec_math.h").write_text(src["vec_math.h"])
-    _put_venv_ninja_on_path()
+    put_venv_ninja_on_path()
     lib = load(name=ns, sources=[str(directory / "attention.cpp")], extra_cflags=FLAGS[isa] + COMMON_FLAGS,
                extra_ldflags=["-fopenmp"], extra_include_paths=[str(directory)], build_directory=str(directory),
                is_python_module=False)

@@ -68,7 +68,7 @@ def build(isa: str, verbose: bool = False) -> Path:
     if not srcs:
         raise FileNotFoundError(f"no kernel sources in {CSRC}")
     from torch.utils.cpp_extension import load
-    _put_venv_ninja_on_path()
+    put_venv_ninja_on_path()
     os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))  # ninja's default oversubscribes
     directory = build_dir(isa)
     directory.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def _drop_stale_lock(directory: Path) -> None:
         pass
 
 
-def _put_venv_ninja_on_path() -> None:
+def put_venv_ninja_on_path() -> None:
     """pip's `ninja` lands beside the interpreter, which is not on PATH when .venv/bin/python runs unactivated."""
     import sys
     bindir = os.path.dirname(sys.executable)
