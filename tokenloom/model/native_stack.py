@@ -26,18 +26,25 @@ logger = logging.getLogger("tokenloom.engine")
 class NativeStack:
     """The argument lists of `tokenloom::decoder_stack` for one loaded model, built once."""
 
-    def __init__(self, model, weights: list[torch.Tensor], linears: list, windows: list[int], scale: float):
-        cfg = model.config
-        attn = model.model.layers[0].self_attn
+    def __init__(self, model):
+        layers = model.model.layers
+        attn = layers[0].self_attn
         self.embed_tokens = model.model.embed_tokens
         self.final_norm = model.model.norm
         self.rotary = attn.rotary
-        self.weights = weights
-        self.linears = linears  # each layer's qkv, o, gate_up, down QuantizedWeight, layer after layer
-        self.windows = windows
+        self.weights: list[torch.Tensor] = []  # per layer: its two norms, then each linear's panels
+        self.linears = []  # each layer's qkv, o, gate_up, down QuantizedWeight, layer after layer
+        for layer in layers:
+            self.weights += [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                p = linear.weight.panels
+                self.weights += [p.qpacked, p.scales, p.mins]
+                self.linears.append(linear.weight)
+        self.windows = [layer.self_attn.attn.window for layer in layers]
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.eps = float(cfg.rms_norm_eps)
-        self.scale = float(scale)
+        self.eps = float(model.config.rms_norm_eps)
+        self.scale = float(attn.attn.scale)
         self._modes: list[bool] | None = None
         self._layer_ints: list[int] = []
 
@@ -62,17 +69,7 @@ class NativeStack:
         if reason:
             logger.debug("steps run layer by layer: %s", reason)
             return None
-        weights: list[torch.Tensor] = []
-        linears = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                p = linear.weight.panels
-                weights += [p.qpacked, p.scales, p.mins]
-                linears.append(linear.weight)
-        windows = [layer.self_attn.attn.window for layer in model.model.layers]
-        return cls(model, weights, linears, windows, model.model.layers[0].self_attn.attn.scale)
+        return cls(model)
 
     @staticmethod
     def can_run() -> bool:
