@@ -388,7 +388,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
 
     opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
-        "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
+        "float16; bfloat16 under float32 activations is the fast CPU mode (see docs/performance.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")
     opt("quantized_matmul", str, "quantized GGUF weights on the native CPU kernels: exact (default; float32 "
         "activations, the float32 model's results) | w4a8 (int8 activations per 32 values, faster, lossier)")
