@@ -1,4 +1,5 @@
-"""README claims that had no test (issue 21, "claimed, never tested"), each checked end to end:
+"""Claims of the documentation (docs/serving.md, docs/structured-outputs.md, docs/benchmarks.md) that no
+other test covers, each checked end to end:
 `serve` start-up errors in one line, structural_tag on its own, request logs, streamed
 reasoning_content, and `bench throughput`. (Tool-choice auto / required / none and
 parallel_tool_calls are in test_tool_calls.py.)

@@ -50,8 +50,8 @@ print("imported:" + ",".join(m for m in ("tokenizers", "jinja2", "transformers")
 
 
 def test_the_engine_process_does_not_import_the_tokenizer():
-    """The engine only sees token ids; `tokenizers` and jinja2 would cost it 6.8 MiB of RSS (PERFORMANCE.md,
-    "Engine memory at a 4k context"). Structured outputs load the tokenizer later, on their first request."""
+    """The engine only sees token ids; `tokenizers` and jinja2 would cost it 6.8 MiB of RSS
+    (docs/performance.md, "Memory"). Structured outputs load the tokenizer later, on their first request."""
     result = subprocess.run([sys.executable, "-c", ENGINE_PROCESS_THEN_REPORT], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
