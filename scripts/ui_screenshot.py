@@ -1,4 +1,4 @@
-"""Make docs/web-page.png, the README's picture of the web page: the engine view while two
+"""Make docs/web-page.png, the picture of the web page in docs/serving.md: the engine view while two
 chat requests run on a local server. Usage: .venv/bin/python scripts/ui_screenshot.py URL [OUT]
 (needs the system chromium and the test extras' playwright)."""
 from __future__ import annotations
