@@ -253,14 +253,14 @@ def save_tiny_model(model, folder: str) -> str:
 # ---------------------------------------------------------------------------------------------
 def make_request(rid: str, prompt: Sequence[int], params, priority: int = 0, cache_salt: str | None = None,
                  eos_token_ids: Sequence[int] = (2,), arrival_time: float | None = None):
-    from tokenloom.engine.messages import EngineCoreRequest
+    from tokenloom.core.messages import EngineCoreRequest
     return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
                              arrival_time=time.time() if arrival_time is None else arrival_time,
                              priority=priority, eos_token_ids=list(eos_token_ids), cache_salt=cache_salt)
 
 
 def greedy_params(max_tokens: int = 32, **kw):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
