@@ -333,3 +333,13 @@ def test_a_mixture_of_experts_model_says_why(native_kernels, tiny_models):
     from tokenloom.model.loader import load_model
     model = load_model(tiny_models("qwen3_moe")[0], torch.float32, torch.device("cpu"), progress=False).model
     assert model.native_stack_spec() == "layer 0: a mixture-of-experts MLP"
+
+
+def test_with_the_kernels_off_no_model_takes_it(monkeypatch, caplog):
+    """TOKENLOOM_KERNELS=off (or no build for this CPU): the torch path runs every step layer by layer."""
+    from tokenloom import kernels
+    from tokenloom.model.native_stack import NativeStack
+    monkeypatch.setattr(kernels, "enabled", lambda: False)
+    with caplog.at_level("DEBUG", logger="tokenloom.engine"):
+        assert NativeStack.build(_Described(None), "native") is None
+    assert "steps run layer by layer: the native kernels are off" in caplog.text
