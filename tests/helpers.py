@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -267,7 +268,6 @@ def write_tiny_gguf(hf_model, kind: str, path: str, storage: dict[str, str], sli
     other rather than with transformers."""
     import gguf
     import numpy as np
-    import re
     cfg = hf_model.config
     writer = gguf.GGUFWriter(path, TINY_GGUF_ARCH[kind])
     writer.add_block_count(cfg.num_hidden_layers)

@@ -212,21 +212,30 @@ def test_a_dense_model_takes_the_eager_forward(make_core):
     assert make_core("llama").executor.worker.runner.native_stack is None
 
 
-def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
+def _opcheck(model, prompts) -> None:
     """Schema (the KV caches the only inputs written) and fake tensor: the op can sit in a compiled graph."""
     from tokenloom.model.layers.attention_backend import ScheduledSpan
     from tokenloom.model.layers.attention_native import NativeAttentionBackend
     from tokenloom.model.native_stack import NativeStack
-    model = quantized.model
-    caches, tables = _prefilled(model, PROMPTS[:2], torch.float32)
-    spans = [ScheduledSpan(i, len(p), 1, t) for i, (p, t) in enumerate(zip(PROMPTS[:2], tables))]
-    slots = torch.tensor([t[len(p) // BLOCK] * BLOCK + len(p) % BLOCK for p, t in zip(PROMPTS[:2], tables)])
+    caches, tables = _prefilled(model, prompts, torch.float32)
+    spans = [ScheduledSpan(i, len(p), 1, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+    slots = torch.tensor([t[len(p) // BLOCK] * BLOCK + len(p) % BLOCK for p, t in zip(prompts, tables)])
     meta = NativeAttentionBackend().build_metadata(spans, slots)
     stack = NativeStack.build(model, "native")
     with torch.inference_mode():
-        args = stack.op_args(torch.tensor([p[-1] for p in PROMPTS[:2]]), torch.tensor([len(p) for p in PROMPTS[:2]]),
+        args = stack.op_args(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) for p in prompts]),
                              caches, meta)
-    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
+    _opcheck(quantized.model, PROMPTS[:2])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_op_fake_agrees_with_biases_and_qk_norms_too(kind, tiny_quantized):
+    _opcheck(tiny_quantized(kind), TINY_PROMPTS[:2])
 
 
 # ---- every Llama-family architecture ---------------------------------------------------------------------

@@ -92,7 +92,8 @@ class NativeStack:
                 meta.prefill_query_starts, meta.prefill_context_lens, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.eps, self.scale)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta) -> torch.Tensor:
         """The final norm's output for the flat batch; `meta` is the native backend's NativeAttentionMetadata."""
         return torch.ops.tokenloom.decoder_stack(*self.op_args(input_ids, positions, kv_caches, meta))
 

@@ -1,4 +1,5 @@
-// A step through a whole Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) in one call (tokenloom/model/native_stack.py).
+// A step through a whole Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) in one call
+// (tokenloom/model/native_stack.py).
 //
 // Layer by layer from Python, a batch-1 decode step of the embedded model makes ~330 op calls: ~11 a layer
 // (two add-and-norms, four quantized GEMMs, the QKV split, rotary, the cache write, attention, SiLU-and-mul).
@@ -99,10 +100,11 @@ void check_per_layer(const OptionalTensors& tensors, int64_t layers, const char*
               " (None where a layer has none)");
 }
 
-at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::TensorList weights, c10::IntArrayRef layer_ints,
-                         const OptionalTensors& qkv_biases, const OptionalTensors& q_norms, const OptionalTensors& k_norms,
-                         TensorCRef final_norm, TensorCRef cos, TensorCRef sin, at::TensorList kv_caches,
-                         TensorCRef slot_mapping, int64_t num_decodes, const c10::optional<at::Tensor>& decode_tables,
+at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::TensorList weights,
+                         c10::IntArrayRef layer_ints, const OptionalTensors& qkv_biases, const OptionalTensors& q_norms,
+                         const OptionalTensors& k_norms, TensorCRef final_norm, TensorCRef cos, TensorCRef sin,
+                         at::TensorList kv_caches, TensorCRef slot_mapping, int64_t num_decodes,
+                         const c10::optional<at::Tensor>& decode_tables,
                          const c10::optional<at::Tensor>& decode_lens, const c10::optional<at::Tensor>& prefill_tables,
                          const c10::optional<at::Tensor>& prefill_starts, const c10::optional<at::Tensor>& prefill_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
@@ -141,7 +143,8 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     const c10::optional<at::Tensor> q_norm = q_norms.get(l), k_norm = k_norms.get(l);
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_stack: layer ", l, " has a norm on only one of q, k");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_stack: layer ", l,
+                " has a norm on only one of q, k");
     if (q_norm) {
       q = o.rms_norm.call(q, *q_norm, eps);
       k = o.rms_norm.call(k, *k_norm, eps);
@@ -164,9 +167,10 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("decoder_stack(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, Tensor?[] qkv_biases, "
-        "Tensor?[] q_norms, Tensor?[] k_norms, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, int num_decodes, Tensor? decode_tables, "
-        "Tensor? decode_lens, Tensor? prefill_tables, Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+        "Tensor?[] q_norms, Tensor?[] k_norms, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
+        "Tensor slot_mapping, int num_decodes, Tensor? decode_tables, Tensor? decode_lens, Tensor? prefill_tables, "
+        "Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack", &decoder_stack); }
