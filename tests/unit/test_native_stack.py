@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from helpers import greedy_params, random_prompts
 
 pytestmark = pytest.mark.kernels
