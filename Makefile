@@ -1,6 +1,6 @@
 # The two commands of the README's quick start. `setup` is a no-op when nothing changed
 # (scripts/setup.sh keeps a stamp in .venv), so `make serve` starts the server at once.
-.PHONY: serve test test-fallback setup setup-test soak bench
+.PHONY: serve test lint test-fallback setup setup-test soak bench
 
 MODEL ?= smollm2-135m-instruct
 ARGS ?=
@@ -14,8 +14,14 @@ setup-test:
 serve: setup
 	@.venv/bin/tokenloom serve $(MODEL) $(ARGS)
 
-test: setup-test
+test: setup-test lint
 	.venv/bin/python -m pytest -q $(ARGS)
+
+# The layering contract (pyproject.toml [tool.importlinter]) and ruff: an upward import, a file circle or
+# an unused name fails before any test runs.
+lint: setup-test
+	.venv/bin/lint-imports --no-cache
+	.venv/bin/ruff check tokenloom tests scripts
 
 # The tests whose numbers depend on the native kernels, again on the torch path (TOKENLOOM_KERNELS=off).
 KERNEL_SENSITIVE ?= $(wildcard tests/unit/test_kernels_*.py) tests/unit/test_gguf_loading.py tests/unit/test_decode_attention.py \

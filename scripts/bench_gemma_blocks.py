@@ -22,13 +22,13 @@ import time
 import torch
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.model.layers.linear_method import UNQUANTIZED, mixed_linear
 from tokenloom.model.layers.quantized_linear import QUANTIZED
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.prepack import can_prepack, pack_weight
-from tokenloom.sampling_params import SamplingParams
 
 
 def rss_mib() -> float:

@@ -80,6 +80,7 @@ if args.no_forward:
 
 sys.path.insert(0, "tests")
 import helpers  # noqa: E402
+
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul  # noqa: E402
 from tokenloom.model.prepack import prepack_linear_weights  # noqa: E402
 

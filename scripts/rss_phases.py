@@ -97,8 +97,8 @@ class Recorder:
 def run_request(core, request_id: str, prompt_len: int, out_len: int, seed: int) -> None:
     import random
 
-    from tokenloom.engine.messages import EngineCoreRequest
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.messages import EngineCoreRequest
+    from tokenloom.core.sampling_params import SamplingParams
     rng = random.Random(seed)
     ids = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
@@ -130,8 +130,8 @@ def main() -> int:
     rec.mark("import torch")
     import tokenloom.engine.core_proc  # noqa: F401 - the engine process's own imports
     from tokenloom.config import EngineConfig
-    from tokenloom.executor import setup
     from tokenloom.heap_trim import release_free_heap
+    from tokenloom.worker import setup
     rec.mark("import the engine's modules")
 
     load_model, warm_up, allocate = setup.load_model, setup._warm_up, setup.allocate_kv_cache

@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.messages import EngineCoreRequest
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 

@@ -7,10 +7,9 @@ import os
 import shutil
 import tempfile
 
+import helpers
 import pytest
 import torch
-
-import helpers
 
 # Test runs use their own cache directory (built tokenizers, converted weights): never the user's
 # ~/.cache/tokenloom, and never a stale entry from an earlier run. Servers the tests start inherit it.
@@ -55,7 +54,7 @@ def _matmul_key(matmul_dtype, dtype) -> str:
 def _reuse_loaded(loaded_by_path: dict, matmul_dtype=None):
     """Make build_engine reuse already loaded weights for known (path, dtype, device, matmul dtype)
     (loading is deterministic)."""
-    import tokenloom.executor.setup as setup
+    import tokenloom.worker.setup as setup
     from tokenloom.model.model_path import resolve_model_path
     real = setup.load_model
 

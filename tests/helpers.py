@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -248,19 +249,70 @@ def save_tiny_model(model, folder: str) -> str:
     return folder
 
 
+# GGUF architecture of each dense tiny variant, and the GGUF name of each HF layer tensor (llama.cpp's).
+TINY_GGUF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def write_tiny_gguf(hf_model, kind: str, path: str, storage: dict[str, str], sliding_window: int | None = None) -> str:
+    """A GGUF file of a dense tiny variant's weights (TINY_VARIANTS `kind`), each tensor stored as the first
+    `storage` entry (GGML type name) whose key ends its GGUF name, else F32. q/k rows are written as they are,
+    not in llama.cpp's rope order: the file is a model of its own, for tests that compare our paths with each
+    other rather than with transformers."""
+    import gguf
+    import numpy as np
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(path, TINY_GGUF_ARCH[kind])
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    for name, tensor in hf_model.state_dict().items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        gguf_name = f"blk.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[3]}" if m else _GGUF_TOP[name]
+        array = np.ascontiguousarray(tensor.detach().float().numpy())
+        qtype = gguf.GGMLQuantizationType[next((t for end, t in storage.items() if gguf_name.endswith(end)), "F32")]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # Driving EngineCore directly (token ids in, token ids out)
 # ---------------------------------------------------------------------------------------------
 def make_request(rid: str, prompt: Sequence[int], params, priority: int = 0, cache_salt: str | None = None,
                  eos_token_ids: Sequence[int] = (2,), arrival_time: float | None = None):
-    from tokenloom.engine.messages import EngineCoreRequest
+    from tokenloom.core.messages import EngineCoreRequest
     return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
                              arrival_time=time.time() if arrival_time is None else arrival_time,
                              priority=priority, eos_token_ids=list(eos_token_ids), cache_salt=cache_salt)
 
 
 def greedy_params(max_tokens: int = 32, **kw):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 

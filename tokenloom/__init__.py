@@ -1,6 +1,6 @@
 """tokenloom: an LLM inference and serving engine on PyTorch."""
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenloom.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

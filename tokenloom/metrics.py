@@ -21,8 +21,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter,
-                               Gauge, Histogram, disable_created_metrics, generate_latest)
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # No `*_created` series next to every counter (vLLM does the same).

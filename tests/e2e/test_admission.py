@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, metric_values, wait_idle
 
 MAX_NUM_SEQS = 4

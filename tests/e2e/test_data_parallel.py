@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, metric_values, stream_in_thread
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Water boils at", "In 1492, Columbus",
@@ -47,7 +46,7 @@ def _complete(srv, prompt: str, **extra) -> httpx.Response:
 
 
 def test_outputs_equal_one_engine_and_both_replicas_get_work(server, make_llm):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
 
     before = _queries(server)
     results: dict[int, httpx.Response] = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import make_request
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "A",
@@ -98,7 +97,7 @@ def test_generation_model_refuses_embed(make_llm):
 def test_decoder_last_token_pooling_matches_transformers(make_core, tiny_models):
     """runner="pooling" on a decoder: the normalized final hidden state at the last prompt token, batched
     through the scheduler with prompts of different lengths, equals transformers' LlamaModel output."""
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     core = make_core("llama", runner="pooling")
     _, hf = tiny_models("llama")
     prompts = [[5, 17, 33, 9, 100, 3], [7], list(range(10, 60))]

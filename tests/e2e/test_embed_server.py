@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from server_harness import ServerProcess
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "Embeddings are vectors."]

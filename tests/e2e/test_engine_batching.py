@@ -9,11 +9,11 @@ bug. test_reference_embedded.py ties the model itself to transformers.
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 
-import helpers
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.input_processor import RequestValidationError
-from tokenloom.sampling_params import SamplingParams
 
 NEW_TOKENS = 16
 

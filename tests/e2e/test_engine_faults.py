@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-
 from server_harness import ServerProcess
 
 

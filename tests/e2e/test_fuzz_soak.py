@@ -19,7 +19,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from server_harness import ServerProcess, metric_values, wait_idle
 
 API_KEY = "fuzz-key"

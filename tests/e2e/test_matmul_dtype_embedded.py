@@ -13,13 +13,13 @@ check nothing.
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from tokenloom import LLM
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.model.layers.linear import Linear
-from tokenloom.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 TOP_K = 5

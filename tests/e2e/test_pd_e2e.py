@@ -9,8 +9,8 @@ import json
 
 import httpx
 import pytest
-
 from server_harness import MODEL, ServerProcess
+
 from tokenloom.router.pd import pd_request
 
 pytestmark = pytest.mark.slow  # two servers on the embedded model: a minute or two to start on 2 cores

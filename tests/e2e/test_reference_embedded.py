@@ -6,10 +6,10 @@ by floating-point summation order. Measured: final-position logits (magnitude up
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 
-import helpers
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 
 LOGIT_TOL = 3e-4
 LOGPROB_TOL = 3e-4

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, metric_values, stream_in_thread, wait_idle
 
 API_KEY = "rel-key"

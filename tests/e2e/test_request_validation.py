@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, stream_in_thread, wait_idle
 
 CHAT = [{"role": "user", "content": "Say hi."}]

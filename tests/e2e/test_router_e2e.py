@@ -20,7 +20,6 @@ import time
 
 import httpx
 import pytest
-
 from helpers import free_port
 from server_harness import ServerProcess, metric_values
 

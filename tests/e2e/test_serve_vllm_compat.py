@@ -9,7 +9,6 @@ import re
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess
 
 # Every series vLLM's Grafana dashboards query, taken from their JSON ("expr" fields):

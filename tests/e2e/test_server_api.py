@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProcess, metric_values
 
 API_KEY = "test-key-123"

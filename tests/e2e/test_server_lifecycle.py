@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, pid_alive, stream_in_thread
 
 

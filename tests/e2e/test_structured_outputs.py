@@ -11,8 +11,8 @@ import re
 import jsonschema
 import openai
 import pytest
-
 from server_harness import ServerProcess
+
 from tokenloom import SamplingParams
 from tokenloom.structured import StructuredOutputError
 

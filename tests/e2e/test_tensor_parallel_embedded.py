@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom import LLM
 from tokenloom.config import ConfigError
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.tp
 

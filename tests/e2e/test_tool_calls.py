@@ -13,7 +13,6 @@ import json
 import jsonschema
 import openai
 import pytest
-
 from server_harness import ServerProcess
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},

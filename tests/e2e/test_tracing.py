@@ -9,9 +9,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.async_llm import AsyncLLM, RequestTimeoutError
-from tokenloom.sampling_params import SamplingParams
-from tokenloom.tracing import SPAN_NAME, SpanAttributes as A, init_tracer
+from tokenloom.tracing import SPAN_NAME, init_tracer
+from tokenloom.tracing import SpanAttributes as A
 
 
 @pytest.fixture(scope="module")

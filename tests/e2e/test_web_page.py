@@ -16,9 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-
 from server_harness import ServerProcess, metric_values
 
 API_KEY = "ui-test-key"

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess, _children, stream_in_thread
 
 pytestmark = pytest.mark.tp

@@ -2,9 +2,9 @@
 against the eager torch path. Skipped without CUDA (marker `gpu`); scripts/device_check.sh runs them."""
 from __future__ import annotations
 
+import helpers
 import pytest
 
-import helpers
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import time
 
-from tokenloom.engine.messages import EngineCoreOutput
-from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.worker.worker_info import WorkerInfo
 
 
 class FakeCore:

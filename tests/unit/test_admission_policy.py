@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.engine.load_estimator import (BATCH_OVERHEAD_SEQS, DEFAULT_OUTPUT_RATE, PRIOR_MARGIN,
-                                             PROMPT_TOKEN_WEIGHT, STALE_AFTER_S, LoadEstimator)
+from tokenloom.engine.load_estimator import (
+    BATCH_OVERHEAD_SEQS,
+    DEFAULT_OUTPUT_RATE,
+    PRIOR_MARGIN,
+    PROMPT_TOKEN_WEIGHT,
+    STALE_AFTER_S,
+    LoadEstimator,
+)
 from tokenloom.entrypoints.openai.admission import Arrival, EngineLoad, Limits, decide, estimate
 
 LIMITS = Limits(max_expected_latency=60.0, max_queue_wait=None, max_waiting_requests=256)

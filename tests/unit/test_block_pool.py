@@ -2,13 +2,13 @@
 engine, that serving from the prefix cache changes nothing in the output."""
 from __future__ import annotations
 
-import pytest
-
 import helpers
+import pytest
 from helpers import greedy_params, make_request, run_to_completion
-from tokenloom.engine.request import Request
-from tokenloom.executor.contract import sequence_key
-from tokenloom.sampling_params import SamplingParams
+
+from tokenloom.core.contract import sequence_key
+from tokenloom.core.request import Request
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.scheduler.block_pool import BlockPool, hash_block
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 

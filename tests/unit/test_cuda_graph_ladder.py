@@ -1,8 +1,8 @@
 """Which decode batch sizes are captured as CUDA graphs, and how a step is padded to one (CPU-testable logic;
 the capture itself is tested in tests/gpu)."""
-from tokenloom.model.cuda_graphs import capture_sizes, pad_spans, padded_size
 from tokenloom.model.layers.attention_backend import ScheduledSpan
 from tokenloom.model.layers.attention_flashinfer import paged_kv_layout
+from tokenloom.worker.cuda_graphs import capture_sizes, pad_spans, padded_size
 
 
 def test_default_ladder_is_exact_for_small_batches_and_every_eight_above():

@@ -3,11 +3,17 @@ the load score, the prefix map and the router's order of preference (pinned, pre
 from __future__ import annotations
 
 import pytest
-
 from helpers import greedy_params, make_request
+
 from tokenloom.config import ConfigError, ParallelConfig
-from tokenloom.engine.dp_client import (AFFINITY_ABS_SLACK, KV_USAGE_WEIGHT, WAITING_WEIGHT, PrefixMap, ReplicaRouter,
-                                        load_score)
+from tokenloom.engine.dp_client import (
+    AFFINITY_ABS_SLACK,
+    KV_USAGE_WEIGHT,
+    WAITING_WEIGHT,
+    PrefixMap,
+    ReplicaRouter,
+    load_score,
+)
 
 BLOCK = 4
 SHARED = list(range(100, 116))  # four full blocks

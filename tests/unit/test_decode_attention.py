@@ -1,9 +1,9 @@
 """Decode attention over the paged cache: sequences in groups, and a reduced-precision KV cache."""
 from __future__ import annotations
 
+import helpers
 import torch
 
-import helpers
 from tokenloom.model.layers.attention import DECODE_GROUP, AttentionMetadata, TorchAttention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4

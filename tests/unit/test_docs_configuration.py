@@ -43,7 +43,8 @@ def test_every_tokenloom_variable_in_the_code_is_registered():
 def test_every_environment_read_is_registered():
     """os.environ.get("X"), os.environ["X"], os.getenv("X") and environ.setdefault("X") name a listed variable."""
     known = set(env_vars.BY_NAME) | config_doc.option_variables() | OS_BASICS
-    pattern = re.compile(r"""(?:environ\.get|environ\.setdefault|getenv|environ)\(?\[?\s*["']([A-Z][A-Z0-9_]*[A-Z0-9])["']""")
+    pattern = re.compile(r"""(?:environ\.get|environ\.setdefault|getenv|environ)\(?\[?\s*"""
+                         r"""["']([A-Z][A-Z0-9_]*[A-Z0-9])["']""")
     missing = {}
     for path, text in _sources():
         if not str(path.relative_to(ROOT)).startswith("tokenloom"):

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
-from tokenloom.engine.messages import EngineCoreRequest
-from tokenloom.sampling_params import SamplingParams
 
 HERE = os.path.dirname(__file__)
 

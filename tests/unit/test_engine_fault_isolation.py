@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tokenloom.engine.messages import EngineCoreRequest
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
 
 
 def _req(rid, prompt, max_tokens=6, n=1):

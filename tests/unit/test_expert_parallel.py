@@ -7,18 +7,18 @@ tolerance and greedy tokens are identical.
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from helpers import greedy_params, make_request
+
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.distributed import parallel_state
 from tokenloom.distributed.expert_parallel import ExpertPlacement, init_expert_parallel
 from tokenloom.engine.core import EngineCore
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.fused_moe import FusedMoE
-from tokenloom.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.tp
 

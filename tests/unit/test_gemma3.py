@@ -8,12 +8,12 @@ output token-identical.
 """
 from __future__ import annotations
 
+import helpers
 import numpy as np
 import pytest
 import torch
 import transformers
 
-import helpers
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.model.arch_config import ArchConfig

@@ -12,15 +12,15 @@ prompt logprobs agree within 1e-4 (as tests/unit/test_tensor_parallel.py) and gr
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import transformers
-
-import helpers
 from helpers import greedy_params, make_request
+
 from tokenloom.config import EngineConfig
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.tp

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_kernels_quant import _random_weight
+
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
 
 COLUMNS, K = 4096, 576  # ~1.5 MiB of panels a weight: two of them pass the 2 MiB a huge page holds

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_kernels_quant import A8_TOL, EXACT_TOL, FORMATS, _random_weight, _rel
-from tokenloom.kernels.quant import (interleave, panel_rows, quant_matmul_a8_reference, quant_matmul_reference,
-                                     unpacked)
+
+from tokenloom.kernels.quant import interleave, panel_rows, quant_matmul_a8_reference, quant_matmul_reference, unpacked
 
 ROWS = [1, 2, 5, 16, 33, 128, 300]
 COLUMNS = 37  # not a multiple of the 16-column panel nor of the 32-column tile

@@ -2,10 +2,10 @@
 torch path, and a tiny model decoding the same tokens on the native and torch attention backends."""
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from tokenloom import kernels
 from tokenloom.kernels import layer_ops
 

@@ -8,12 +8,12 @@ test_tensor_parallel.py.
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from helpers import greedy_params, make_request
-from tokenloom.sampling_params import SamplingParams
+
+from tokenloom.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.kernels
 

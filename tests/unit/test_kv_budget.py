@@ -2,7 +2,7 @@
 import pytest
 
 from tokenloom.config import ConfigError
-from tokenloom.executor.kv_budget import GiB, ProfiledMemory, kv_blocks, kv_budget_bytes
+from tokenloom.worker.kv_budget import GiB, ProfiledMemory, kv_blocks, kv_budget_bytes
 
 # A 7B model in bf16 (14 GiB of weights) on a 24 GiB card, with a 0.5 GiB CUDA context and a 1.5 GiB step peak.
 SEVEN_B_ON_24GB = ProfiledMemory(total=24 * GiB, in_use_after=int(14.5 * GiB), activation_peak=int(1.5 * GiB))

@@ -7,8 +7,8 @@ import torch
 
 from tokenloom import kernels
 from tokenloom.config import ConfigError
-from tokenloom.executor.setup import allocate_kv_cache
 from tokenloom.model.layers.attention_backend import select_attention_backend
+from tokenloom.worker.setup import allocate_kv_cache
 
 
 def _rss_mib() -> float:

@@ -7,11 +7,11 @@ import threading
 import msgspec
 import torch
 import zmq
-
 from helpers import greedy_params, make_request, random_prompts
-from tokenloom.kv_transfer.base import WorkerConnector
+
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.kv_metadata import KVConnectorMetadata
 from tokenloom.kv_transfer.blocks import block_runs, layer_views, layout
-from tokenloom.kv_transfer.metadata import KVConnectorMetadata
 from tokenloom.kv_transfer.puller import KVPuller
 from tokenloom.kv_transfer.transport import LAYER, PullReply, PullRequest
 from tokenloom.kv_transfer.worker_hook import ConnectorHook

@@ -149,10 +149,16 @@ def test_the_prefill_request_asks_for_one_token_unstreamed_and_remote_decode():
 
 
 def test_connector_instructions_and_reports_cross_the_worker_process_boundary():
-    from tokenloom.executor import messages
-    from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-    from tokenloom.kv_transfer.metadata import (BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput,
-                                                Publish, RemoteLoad)
+    from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+    from tokenloom.core.kv_metadata import (
+        BlockLoad,
+        BlockSave,
+        KVConnectorMetadata,
+        KVConnectorOutput,
+        Publish,
+        RemoteLoad,
+    )
+    from tokenloom.worker import messages
     meta = KVConnectorMetadata(remote_loads=[RemoteLoad("k", ["tcp://127.0.0.1:5"], "t", 1, [4, 5], False)],
                                publish=[Publish("k2", "t2", 37)], release=["t3"], poll=True,
                                saves=[BlockSave(3, "n1")], drops=["n2"], loads=[BlockLoad("k", 9, "n3")])

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from tokenloom.config import ConfigError, ModelConfig
 from tokenloom.model.layers.linear import Linear, mixed_linear
 from tokenloom.model.loader import load_model

@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 
 import gguf
+import helpers
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import helpers
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.fused_moe import FusedMoE, grouped_experts
 from tokenloom.model.layers.moe import SparseMoeBlock, select_experts

@@ -1,17 +1,31 @@
 """The native decoder stack (tokenloom/model/native_stack.py, csrc/decoder_stack.cpp): a step in one native
 call gives the layer-by-layer forward's hidden states and KV cache bit for bit, and the engine takes it only
-where it may."""
+where it may.
+
+Beside the embedded model (Llama), tiny random Llama, Mistral (with a sliding window shorter than the
+prompts), Qwen2 (qkv biases) and Qwen3 (q/k norms) models, written as GGUF files with Q4_0 and Q8_0 weights,
+check each architecture's variant of the op against its own layer-by-layer forward.
+"""
 from __future__ import annotations
 
+from dataclasses import replace
+
+import helpers
 import pytest
 import torch
-
 from helpers import greedy_params, random_prompts
 
 pytestmark = pytest.mark.kernels
 
 BLOCK = 16
 PROMPTS = random_prompts(5, [3, 17, 40, 16, 29], vocab=49152, seed=3)
+TINY_PROMPTS = random_prompts(5, [3, 17, 40, 16, 29], vocab=512, seed=3)
+ARCHITECTURES = list(helpers.TINY_GGUF_ARCH)
+# Both weight widths the kernels take, and a merged qkv of 4-bit q/k with 8-bit v (widened to 8 bits on load).
+TINY_STORAGE = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_0", "attn_v.weight": "Q8_0",
+                "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q8_0", "ffn_up.weight": "Q8_0",
+                "ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0", "output.weight": "Q8_0"}
+MISTRAL_WINDOW = 12  # shorter than most of TINY_PROMPTS, so the window changes what their rows attend
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +36,33 @@ def quantized(embedded_loaded):
     if not kernels.load() or not quantized_weights(embedded_loaded.model):
         pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
     return embedded_loaded
+
+
+@pytest.fixture(scope="module")
+def native_kernels():
+    from tokenloom import kernels
+    if not kernels.load():
+        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(native_kernels, tiny_models, tmp_path_factory):
+    """``tiny_quantized(kind) -> model``: a tiny random model of `kind` loaded from a GGUF file of its
+    weights, kept quantized (native kernels)."""
+    from tokenloom.model.loader import load_model
+    loaded = {}
+
+    def get(kind: str):
+        if kind not in loaded:
+            path = str(tmp_path_factory.mktemp("native_stack_gguf") / f"{kind}.gguf")
+            window = MISTRAL_WINDOW if kind == "mistral" else None
+            helpers.write_tiny_gguf(tiny_models(kind)[1], kind, path, TINY_STORAGE, sliding_window=window)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("TOKENLOOM_WEIGHT_CACHE", "0")
+                loaded[kind] = load_model(path, torch.float32, torch.device("cpu"), progress=False).model
+        return loaded[kind]
+
+    return get
 
 
 @torch.inference_mode()
@@ -46,7 +87,7 @@ def _prefilled(model, prompts, kv_dtype, extra: int = 0, fresh: list[list[int]] 
 
 
 @torch.inference_mode()
-def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] = ()):
+def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] = (), prompts=PROMPTS):
     """One step, layer by layer and native, each on its own copy of the prefilled caches. With no
     `new_chunks`, a decode of every prompt; else a chunk of each length in `new_chunks`: the first starts a
     new sequence, the others continue the last prompts past their cached tokens, and the other prompts decode."""
@@ -54,7 +95,7 @@ def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] =
     from tokenloom.model.layers.attention_native import NativeAttentionBackend
     from tokenloom.model.native_stack import NativeStack
     fresh = [list(range(100, 100 + n)) for n in new_chunks[:1]]
-    caches, tables = _prefilled(model, PROMPTS, kv_dtype, extra=max(new_chunks, default=0), fresh=fresh)
+    caches, tables = _prefilled(model, prompts, kv_dtype, extra=max(new_chunks, default=0), fresh=fresh)
     spans, ids, pos, slots = [], [], [], []
 
     def add(table, start, tokens):
@@ -63,13 +104,13 @@ def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] =
         pos.extend(range(start, start + len(tokens)))
         slots.extend(table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens)))
 
-    decoding = len(PROMPTS) - max(len(new_chunks) - 1, 0)
-    for p, t in zip(PROMPTS[:decoding], tables):
+    decoding = len(prompts) - max(len(new_chunks) - 1, 0)
+    for p, t in zip(prompts[:decoding], tables):
         add(t, len(p), [p[-1]])
     if fresh:
-        add(tables[len(PROMPTS)], 0, fresh[0])
+        add(tables[len(prompts)], 0, fresh[0])
     for i, n in enumerate(new_chunks[1:], start=decoding):
-        add(tables[i], len(PROMPTS[i]), list(range(7, 7 + n)))
+        add(tables[i], len(prompts[i]), list(range(7, 7 + n)))
     meta = NativeAttentionBackend().build_metadata(spans, torch.tensor(slots))
     ids, pos = torch.tensor(ids), torch.tensor(pos)
     eager_caches, native_caches = [c.clone() for c in caches], [c.clone() for c in caches]
@@ -90,20 +131,26 @@ def test_a_step_with_decodes_a_new_prompt_and_continued_ones_matches_too(quantiz
     assert all(torch.equal(a, b) for a, b in zip(native_caches, eager_caches))
 
 
-def test_a_prefill_only_step_matches_too(quantized):
+@torch.inference_mode()
+def _prefill_both_ways(model, prompt):
+    """One step that is a single fresh prompt, layer by layer and native, each on its own empty caches."""
     from tokenloom.model.layers.attention_backend import ScheduledSpan
     from tokenloom.model.layers.attention_native import NativeAttentionBackend
     from tokenloom.model.native_stack import NativeStack
-    cfg, backend = quantized.model.config, NativeAttentionBackend()
-    prompt = PROMPTS[2]
+    cfg, backend = model.config, NativeAttentionBackend()
     shape = backend.kv_cache_shape(len(prompt) // BLOCK + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+    eager_caches = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+    native_caches = [torch.zeros(shape) for _ in range(cfg.num_layers)]
     table = list(range(shape[1]))
     meta = backend.build_metadata([ScheduledSpan(0, 0, len(prompt), table)], torch.arange(len(prompt)))
-    with torch.inference_mode():
-        eager = quantized.model(torch.tensor(prompt), torch.arange(len(prompt)), [c.clone() for c in caches], meta)
-        native = NativeStack.build(quantized.model, "native").run(torch.tensor(prompt), torch.arange(len(prompt)),
-                                                                  caches, meta)
+    eager = model(torch.tensor(prompt), torch.arange(len(prompt)), eager_caches, meta)
+    native = NativeStack.build(model, "native").run(torch.tensor(prompt), torch.arange(len(prompt)), native_caches,
+                                                    meta)
+    return eager, native, eager_caches, native_caches
+
+
+def test_a_prefill_only_step_matches_too(quantized):
+    eager, native, _, _ = _prefill_both_ways(quantized.model, PROMPTS[2])
     assert torch.equal(native, eager)
 
 
@@ -164,21 +211,143 @@ def test_a_dense_model_takes_the_eager_forward(make_core):
     assert make_core("llama").executor.worker.runner.native_stack is None
 
 
-def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
+def _opcheck(model, prompts) -> None:
     """Schema (the KV caches the only inputs written) and fake tensor: the op can sit in a compiled graph."""
     from tokenloom.model.layers.attention_backend import ScheduledSpan
     from tokenloom.model.layers.attention_native import NativeAttentionBackend
     from tokenloom.model.native_stack import NativeStack
-    model = quantized.model
-    caches, tables = _prefilled(model, PROMPTS[:2], torch.float32)
-    spans = [ScheduledSpan(i, len(p), 1, t) for i, (p, t) in enumerate(zip(PROMPTS[:2], tables))]
-    slots = torch.tensor([t[len(p) // BLOCK] * BLOCK + len(p) % BLOCK for p, t in zip(PROMPTS[:2], tables)])
+    caches, tables = _prefilled(model, prompts, torch.float32)
+    spans = [ScheduledSpan(i, len(p), 1, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+    slots = torch.tensor([t[len(p) // BLOCK] * BLOCK + len(p) % BLOCK for p, t in zip(prompts, tables)])
     meta = NativeAttentionBackend().build_metadata(spans, slots)
     stack = NativeStack.build(model, "native")
     with torch.inference_mode():
-        embeddings = stack.embed_tokens(torch.tensor([p[-1] for p in PROMPTS[:2]]))
-    args = (embeddings, torch.tensor([len(p) for p in PROMPTS[:2]]), stack.weights, stack.layer_ints(),
-            stack.final_norm.weight, stack.rotary.cos, stack.rotary.sin, caches, meta.slot_mapping, meta.num_decodes,
-            meta.block_tables, meta.context_lens, None, None, None, stack.num_heads, stack.num_kv_heads,
-            stack.head_dim, stack.eps, stack.scale)
-    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args, test_utils=("test_schema", "test_faketensor"))
+        args = stack.op_args(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) for p in prompts]),
+                             caches, meta)
+    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
+    _opcheck(quantized.model, PROMPTS[:2])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_op_fake_agrees_with_biases_and_qk_norms_too(kind, tiny_quantized):
+    _opcheck(tiny_quantized(kind), TINY_PROMPTS[:2])
+
+
+# ---- every Llama-family architecture ---------------------------------------------------------------------
+
+def _same(eager, native, eager_caches, native_caches) -> bool:
+    return torch.equal(native, eager) and all(torch.equal(a, b) for a, b in zip(native_caches, eager_caches))
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_takes_the_stack_with_what_its_layers_need(kind, tiny_quantized):
+    from tokenloom.model.native_stack import NativeStack
+    model = tiny_quantized(kind)
+    spec = model.native_stack_spec()
+    assert not isinstance(spec, str), spec
+    layer = spec.layers[0]
+    assert (layer.qkv_bias is not None) == (kind == "qwen2")
+    assert (layer.q_norm is not None) == (layer.k_norm is not None) == (kind == "qwen3")
+    assert layer.window == (MISTRAL_WINDOW if kind == "mistral" else 0)
+    assert {w.bits for w in layer.linears} == {4, 8}
+    assert NativeStack.build(model, "native") is not None
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_decodes_bit_for_bit(kind, tiny_quantized):
+    assert _same(*_step_both_ways(tiny_quantized(kind), prompts=TINY_PROMPTS))
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_runs_a_mixed_step_bit_for_bit(kind, tiny_quantized):
+    assert _same(*_step_both_ways(tiny_quantized(kind), new_chunks=(21, 5, 33), prompts=TINY_PROMPTS))
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_prefills_bit_for_bit(kind, tiny_quantized):
+    assert _same(*_prefill_both_ways(tiny_quantized(kind), TINY_PROMPTS[2]))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_w4a8_path_matches_with_biases_and_qk_norms_too(kind, tiny_quantized):
+    from tokenloom.model.layers.quantized_linear import set_quantized_matmul
+    model = tiny_quantized(kind)
+    try:
+        set_quantized_matmul(model, "w4a8")
+        eager, native, _, _ = _step_both_ways(model, torch.bfloat16, new_chunks=(19, 4), prompts=TINY_PROMPTS)
+    finally:
+        set_quantized_matmul(model, "exact")
+    assert torch.equal(native, eager)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_a_model_with_dense_weights_says_so(kind, native_kernels, make_core):
+    """The tiny safetensors folders load dense: each architecture's spec names the reason."""
+    runner = make_core(kind).executor.worker.runner
+    reason = runner.model.native_stack_spec()
+    assert reason == "layer 0: weights not in the quantized panels (dense or unquantized)"
+    assert runner.native_stack is None
+
+
+class _Described:
+    """A model that describes itself as `spec` (the op's own limits are the stack's to check)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def native_stack_spec(self):
+        return self.spec
+
+
+def _with_layer(spec, index: int, **changes):
+    layers = list(spec.layers)
+    layers[index] = replace(layers[index], **changes)
+    return replace(spec, layers=tuple(layers))
+
+
+def test_the_stack_refuses_what_its_op_cannot_run_and_says_why(tiny_quantized, caplog):
+    from tokenloom.model.native_stack import NativeStack
+    model = tiny_quantized("llama")
+    spec = model.native_stack_spec()
+    cases = {
+        "the gelu_pytorch_tanh activation": _Described(_with_layer(spec, 1, activation="gelu_pytorch_tanh")),
+        "attention scales that differ between layers": _Described(_with_layer(spec, 1, scale=0.5)),
+        "norm eps that differ between layers": _Described(_with_layer(spec, 0, eps=1e-3)),
+        "head counts that differ between layers": _Described(_with_layer(spec, 1, num_kv_heads=1)),
+        "no layers": _Described(replace(spec, layers=())),
+        "the torch attention backend": model,
+        "object does not describe itself for the native stack": object(),
+    }
+    for reason, described in cases.items():
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="tokenloom.engine"):
+            assert NativeStack.build(described, "torch" if described is model else "native") is None
+        assert f"steps run layer by layer: {reason}" in caplog.text
+    assert NativeStack.build(_Described(spec), "native") is not None
+
+
+def test_tensor_parallel_models_say_so(tiny_quantized, monkeypatch):
+    import tokenloom.model.models.llama as llama
+    monkeypatch.setattr(llama, "tp_group", lambda: type("Group", (), {"size": 2})())
+    assert tiny_quantized("qwen3").native_stack_spec() == "tensor parallel"
+
+
+def test_a_mixture_of_experts_model_says_why(native_kernels, tiny_models):
+    """Qwen3-MoE's layer 0 has experts (its layer 1 a dense MLP)."""
+    from tokenloom.model.loader import load_model
+    model = load_model(tiny_models("qwen3_moe")[0], torch.float32, torch.device("cpu"), progress=False).model
+    assert model.native_stack_spec() == "layer 0: a mixture-of-experts MLP"
+
+
+def test_with_the_kernels_off_no_model_takes_it(monkeypatch, caplog):
+    """TOKENLOOM_KERNELS=off (or no build for this CPU): the torch path runs every step layer by layer."""
+    from tokenloom import kernels
+    from tokenloom.model.native_stack import NativeStack
+    monkeypatch.setattr(kernels, "enabled", lambda: False)
+    with caplog.at_level("DEBUG", logger="tokenloom.engine"):
+        assert NativeStack.build(_Described(None), "native") is None
+    assert "steps run layer by layer: the native kernels are off" in caplog.text

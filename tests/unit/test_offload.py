@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers import greedy_params, make_request, random_prompts
 
 BLOCK = 4

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 import zmq
-
 from helpers import greedy_params, make_request, random_prompts
 
 PROMPTS = random_prompts(3, [37, 16, 5], 512, seed=3)
@@ -228,7 +227,7 @@ def test_1p1d_with_each_worker_in_its_own_process(make_core, mixed_outputs):
 
 
 def test_a_first_token_that_ends_the_request_needs_no_transfer(consumer):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     params = {"do_remote_prefill": True, "remote_address": "tcp://127.0.0.1:9", "remote_transfer_id": "t",
               "remote_num_tokens": len(PROMPTS[2]), "first_token_id": 2}  # 2: the model's end of sequence
     consumer.add_request(make_request("d", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8,

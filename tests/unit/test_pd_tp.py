@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers import greedy_params, make_request, random_prompts
 from test_pd import decode, drive, prefill, tokens
 

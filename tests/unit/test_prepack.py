@@ -1,16 +1,16 @@
 """Linear weights prepacked for oneDNN on CPU: same results as the dense weights, packed once at start-up."""
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from tokenloom.config import CacheConfig, EngineConfig, ModelConfig
-from tokenloom.executor.setup import build_worker
 from tokenloom.model.layers.linear import Linear, mixed_linear
 from tokenloom.model.loader import load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights
 from tokenloom.model.prepack import can_prepack, pack_weight, prepack_linear_weights
+from tokenloom.worker.setup import build_worker
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu")), reason="this torch build has no oneDNN")
 

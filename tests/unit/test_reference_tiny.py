@@ -7,10 +7,10 @@ generation must be token-identical.
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from tokenloom.model.loader import load_model
 
 LOGIT_TOL = 5e-5
@@ -87,7 +87,7 @@ def test_greedy_generation_with_tiny_chunks_and_blocks_matches_transformers(kind
 
 
 def test_prompt_logprobs_with_chunked_prefill_match_transformers(tiny_models, make_core, prompts):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     _, hf = tiny_models("llama")
     core = make_core("llama", block_size=4, max_num_batched_tokens=9, long_prefill_token_threshold=6)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)

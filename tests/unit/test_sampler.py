@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from tokenloom.sampling_params import SamplingParams
 
 V = 12
 # Fixed, distinct logits with both signs.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenloom.sampling_params import (
+from tokenloom.core.sampling_params import (
     SamplingParams,
     SamplingParamsError,
     SamplingType,
@@ -60,7 +60,7 @@ def test_msgpack_round_trip():
 
 
 def test_round_trip_inside_engine_core_request():
-    from tokenloom.engine.messages import EngineCoreRequest
+    from tokenloom.core.messages import EngineCoreRequest
 
     req = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2],
                             sampling_params=SamplingParams(seed=7, stop="x"), arrival_time=0.0)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 import helpers
+import pytest
 from helpers import greedy_params, make_request, run_to_completion
 
 VOCAB = 512
@@ -325,7 +324,7 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
     core = make_core(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=12,
                      max_num_seqs=6, enable_prefix_caching=prefix_caching)
     shared = helpers.random_prompts(1, [12], VOCAB, seed=99)[0]
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     for round_ in range(6):
         live = []
         for i in range(rng.randint(3, 10)):
@@ -356,8 +355,8 @@ def test_idle_engine_holds_zero_blocks_after_random_workloads_with_aborts(make_c
 
 def _waiting_scheduler(block_size=4, window=8):
     from tokenloom.config import SchedulerConfig
-    from tokenloom.engine.request import Request
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.request import Request
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.scheduler.kv_cache_manager import KVCacheManager
     from tokenloom.scheduler.scheduler import Scheduler
     kv = KVCacheManager(64, block_size, enable_prefix_caching=True)

@@ -9,11 +9,11 @@ greedy token-identical).
 """
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import transformers
 
-import helpers
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.model.loader import load_model

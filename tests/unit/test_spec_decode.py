@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-
 from helpers import generate_tokens, greedy_params, make_request, run_to_completion
+
 from tokenloom.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.spec_decode.proposer import NgramProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, rejection_sample
 

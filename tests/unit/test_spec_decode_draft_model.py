@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-
 from helpers import build_tiny_model, generate_tokens, greedy_params, make_request, run_to_completion, save_tiny_model
+
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.model.sampler import Sampler, SamplingRow
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec_decode.rejection_sampler import verify_sampled_drafts
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [11], [20, 21, 22, 23, 24, 25, 26, 27] * 3, [3, 4] * 12]

@@ -44,7 +44,7 @@ ENGINE_PROCESS_THEN_REPORT = """
 import sys
 import tokenloom.engine.core_proc
 import tokenloom.engine.core
-import tokenloom.executor.setup
+import tokenloom.worker.setup
 print("imported:" + ",".join(m for m in ("tokenizers", "jinja2", "transformers") if m in sys.modules))
 """
 

@@ -11,14 +11,14 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import helpers
+import pytest
 from helpers import greedy_params, make_request
+
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
 from tokenloom.executor.base import ExecutorFault
-from tokenloom.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.tp
 

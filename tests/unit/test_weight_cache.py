@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from test_gguf_loading import build_tiny_llama
+
 from tokenloom.model.loader import load_model, open_model_source
 from tokenloom.model.loader import weight_cache as wc
 from tokenloom.model.loader.weight_cache import CachedWeights

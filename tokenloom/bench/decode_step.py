@@ -26,9 +26,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_decode(ns) -> int:
+    from tokenloom.core.messages import EngineCoreRequest
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.engine.core import EngineCore
-    from tokenloom.engine.messages import EngineCoreRequest
-    from tokenloom.sampling_params import SamplingParams
 
     config = EngineConfig.from_args(ns)
     core = EngineCore(config)

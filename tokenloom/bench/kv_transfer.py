@@ -92,9 +92,9 @@ def decode_step(blocks: int, batch: int, rounds: int) -> dict:
     """Step times of a decode instance with `batch` running requests: plain, with a background pull of `blocks`
     blocks in flight, and with that pull inside the step (the pre-background behaviour), interleaved."""
     from tokenloom.config import EngineConfig
+    from tokenloom.core.messages import EngineCoreRequest
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.engine.core import EngineCore
-    from tokenloom.engine.messages import EngineCoreRequest
-    from tokenloom.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig.from_kwargs(splitwise_role="decode", dtype="float32", block_size=BLOCK_SIZE,
                                                log_stats_interval=0), progress=False)
@@ -154,11 +154,11 @@ def hook_overhead(batch: int, rounds: int) -> dict:
     layer by layer through `LayerwiseCaches` with hooks that do nothing: the per-layer machinery's own cost,
     an upper bound on what an engine without a connector could pay (it only reads `runner.kv_layers`)."""
     from tokenloom.config import EngineConfig
+    from tokenloom.core.kv_connector import WorkerConnector
+    from tokenloom.core.messages import EngineCoreRequest
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.engine.core import EngineCore
-    from tokenloom.engine.messages import EngineCoreRequest
-    from tokenloom.kv_transfer.base import WorkerConnector
     from tokenloom.kv_transfer.layerwise import LayerwiseCaches
-    from tokenloom.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig.from_kwargs(dtype="float32", log_stats_interval=0), progress=False)
     runner = core.executor.worker.runner

@@ -20,8 +20,8 @@ from tokenloom.config import EngineConfig, add_engine_args
 
 
 def _fill(core, context: int) -> None:
-    from tokenloom.engine.messages import EngineCoreRequest
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.messages import EngineCoreRequest
+    from tokenloom.core.sampling_params import SamplingParams
     prompt = torch.randint(100, core.info.vocab_size - 100, (context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)

@@ -15,8 +15,8 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int
 
 
 def run_throughput(ns) -> int:
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.entrypoints.llm import LLM
-    from tokenloom.sampling_params import SamplingParams
 
     config = EngineConfig.from_args(ns)
     flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel)}
@@ -54,8 +54,9 @@ def run_throughput(ns) -> int:
         else:
             print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms")
     if ns.compare_transformers:
-        from tokenloom.bench.hf_baseline import run_transformers
         import torch
+
+        from tokenloom.bench.hf_baseline import run_transformers
         hf = run_transformers(llm.engine.info.model_path, prompts, ns.output_len, ns.transformers_batch,
                               getattr(torch, ns.transformers_dtype))
         results["transformers"] = hf

@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
-from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
 from tokenloom.engine.dp_client import DPEngineClient
+from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT, LoadEstimator
 from tokenloom.metrics import ServerMetrics
 from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom.requests")
 

@@ -33,8 +33,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.engine import ipc
-from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.zmq_reader import SocketReader
 
 logger = logging.getLogger("tokenloom.engine")

@@ -19,7 +19,6 @@ with the engine config (msgspec JSON) on stdin. The loop:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -32,26 +31,15 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.core.process import set_parent_death_signal
 from tokenloom.engine import ipc
-from tokenloom.engine.messages import EngineCoreOutput
 from tokenloom.heap_trim import release_free_heap
 
 logger = logging.getLogger("tokenloom.engine")
 
 # EngineCore methods the frontend may call through UtilityCall.
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass
 
 
 def _jsonable(value: Any) -> Any:
@@ -248,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-type", default="tokenloom.config:EngineConfig")
     args = p.parse_args(argv)
 
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != args.parent_pid:  # the parent died before prctl took effect
         return 1
     # Ctrl-C in a terminal reaches the whole process group: the API server decides

@@ -23,9 +23,9 @@ import os
 from collections import OrderedDict
 from typing import Any, Callable
 
+from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
-from tokenloom.engine.messages import EngineCoreRequest
 
 logger = logging.getLogger("tokenloom.engine")
 

@@ -31,10 +31,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from tokenloom.engine.messages import EngineCoreOutput
-from tokenloom.engine.request import Request
+from tokenloom.core.contract import SchedulerOutput
+from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.core.request import Request
 from tokenloom.executor.base import ExecutorFault
-from tokenloom.executor.contract import SchedulerOutput
 from tokenloom.scheduler.scheduler import engine_output
 
 if TYPE_CHECKING:

@@ -6,9 +6,9 @@ import time
 from dataclasses import replace
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.messages import EngineCoreRequest
-from tokenloom.engine.validation_error import RequestValidationError
-from tokenloom.sampling_params import SamplingParams, SamplingParamsError
+from tokenloom.core.errors import RequestValidationError
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
 from tokenloom.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenloom.engine")

@@ -13,8 +13,7 @@ from typing import Any, Union
 
 import msgspec
 
-from tokenloom.engine.messages import EngineCoreOutput, EngineCoreRequest
-
+from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 
 # ---------------------------------------------------------------- frontend -> engine
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloom.engine.messages import EngineCoreOutput
+from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -41,7 +41,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _params(ns):
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens)
 
 

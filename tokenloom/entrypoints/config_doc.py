@@ -320,7 +320,8 @@ def option_variables() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenloom.entrypoints.config_doc", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tokenloom.entrypoints.config_doc",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
     parser.add_argument("--check", action="store_true", help=f"exit 1 when {DOC_PATH} differs from the code")
     ns = parser.parse_args(argv)

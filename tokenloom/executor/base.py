@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from tokenloom.config import EngineConfig
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.worker.worker_info import WorkerInfo
 
 
 class ExecutorFault(RuntimeError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from tokenloom.config import EngineConfig
-from tokenloom.executor.worker_proc import start_workers
+from tokenloom.worker.worker_proc import start_workers
 
 
 def run_headless(config: EngineConfig) -> int:

@@ -15,12 +15,12 @@ import subprocess
 import zmq
 
 from tokenloom.config import ConfigError, EngineConfig
-from tokenloom.executor import messages
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.base import Executor, ExecutorFault
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.worker_info import WorkerInfo
-from tokenloom.executor.worker_proc import start_workers
 from tokenloom.model.loader import read_arch_config
+from tokenloom.worker import messages
+from tokenloom.worker.worker_info import WorkerInfo
+from tokenloom.worker.worker_proc import start_workers
 
 logger = logging.getLogger("tokenloom.engine")
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.executor.base import Executor
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.worker import Worker
-from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.worker.worker import Worker
+from tokenloom.worker.worker_info import WorkerInfo
 
 
 class UniExecutor(Executor):

@@ -103,8 +103,9 @@ def put_venv_ninja_on_path() -> None:
 def main() -> int:
     """`python -m tokenloom.kernels.build [isa]`: build (or find cached) the library for this CPU."""
     import sys
-    from tokenloom.kernels.cpu_features import best_isa
+
     from tokenloom.kernels import _disabled_by_env
+    from tokenloom.kernels.cpu_features import best_isa
     if _disabled_by_env():
         print("tokenloom kernels: TOKENLOOM_KERNELS=off, nothing built")
         return 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from tokenloom.config import EngineConfig
-from tokenloom.kv_transfer.base import SchedulerConnector, WorkerConnector
+from tokenloom.core.kv_connector import SchedulerConnector, WorkerConnector
+from tokenloom.core.kv_metadata import KVWorkerInfo
 from tokenloom.kv_transfer.blocks import model_identity
-from tokenloom.kv_transfer.metadata import KVWorkerInfo
 from tokenloom.kv_transfer.offload_scheduler import OffloadScheduler
 from tokenloom.kv_transfer.offload_worker import OffloadWorker
 from tokenloom.kv_transfer.pd_scheduler import ZmqScheduler

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tokenloom.kv_transfer.base import WorkerConnector
+from tokenloom.core.kv_connector import WorkerConnector
 
 
 class LayerwiseCaches:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from tokenloom.config import ConfigError
-from tokenloom.engine.request import Request
-from tokenloom.kv_transfer.base import SchedulerConnector
-from tokenloom.kv_transfer.config import KVOffloadConfig
-from tokenloom.kv_transfer.metadata import BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
+from tokenloom.config import ConfigError, KVOffloadConfig
+from tokenloom.core.kv_connector import SchedulerConnector
+from tokenloom.core.kv_metadata import BlockLoad, BlockSave, KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
+from tokenloom.core.request import Request
 from tokenloom.kv_transfer.offload_store import list_stored, tier_folder
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 

@@ -13,10 +13,10 @@ import threading
 
 import torch
 
-from tokenloom.kv_transfer.base import WorkerConnector
+from tokenloom.config import KVOffloadConfig
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.kv_metadata import BlockLoad, KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
 from tokenloom.kv_transfer.blocks import layout
-from tokenloom.kv_transfer.config import KVOffloadConfig
-from tokenloom.kv_transfer.metadata import BlockLoad, KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
 from tokenloom.kv_transfer.offload_store import DiskStore, HostStore, tier_folder
 
 

@@ -17,10 +17,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tokenloom.engine.request import Request
-from tokenloom.kv_transfer.base import SchedulerConnector
-from tokenloom.kv_transfer.config import KVTransferConfig
-from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo, Publish, RemoteLoad
+from tokenloom.config import KVTransferConfig
+from tokenloom.core.kv_connector import SchedulerConnector
+from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo, Publish, RemoteLoad
+from tokenloom.core.request import Request
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 MAX_TRANSFER_ID = 64  # characters; ours are 32 hex digits

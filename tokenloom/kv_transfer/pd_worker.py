@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.kv_transfer.base import WorkerConnector
+from tokenloom.config import KVTransferConfig
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo, RemoteLoad
 from tokenloom.kv_transfer.blocks import layout
-from tokenloom.kv_transfer.config import KVTransferConfig
-from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo, RemoteLoad
 from tokenloom.kv_transfer.puller import KVPuller, Pull
 from tokenloom.kv_transfer.transport import KVServer, PullRequest
 

@@ -10,9 +10,9 @@ from collections import Counter
 
 import msgspec
 
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.kv_metadata import KVConnectorOutput, KVWorkerInfo
 from tokenloom.distributed.parallel_state import gather_bytes_to_first, tp_group
-from tokenloom.kv_transfer.base import WorkerConnector
-from tokenloom.kv_transfer.metadata import KVConnectorOutput, KVWorkerInfo
 
 _decoder = msgspec.msgpack.Decoder(KVConnectorOutput)
 

@@ -22,7 +22,7 @@ import msgspec
 import torch
 import zmq
 
-from tokenloom.kv_transfer.blocks import block_runs, layout, layer_views
+from tokenloom.kv_transfer.blocks import block_runs, layer_views, layout
 
 logger = logging.getLogger("tokenloom.kv_transfer")
 

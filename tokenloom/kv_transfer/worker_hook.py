@@ -2,10 +2,10 @@
 its report kept until an output carries it (only the first rank answers, and a failed step answers nothing)."""
 from __future__ import annotations
 
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.kv_transfer.base import WorkerConnector
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.kv_metadata import KVConnectorOutput
 from tokenloom.kv_transfer.layerwise import LayerwiseCaches
-from tokenloom.kv_transfer.metadata import KVConnectorOutput
 from tokenloom.kv_transfer.rank_reports import RankReports
 
 

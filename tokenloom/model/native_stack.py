@@ -1,4 +1,4 @@
-"""A Llama-family model's step on the CPU in one native call: the CPU's answer to CUDA graphs.
+"""A decoder model's step on the CPU in one native call: the CPU's answer to CUDA graphs.
 
 A small model's decode step at batch 1 is dominated by what surrounds its ops: the embedded SmolLM2 makes
 ~330 native op calls a step (11 a layer), each with its Python (the layers' forward, the linear methods)
@@ -6,9 +6,14 @@ and its dispatch, ~4 ms of a 13.7 ms step. `tokenloom::decoder_stack` (csrc/deco
 same ops in the same order from C++, so its hidden states are the layer-by-layer forward's bit for bit,
 and a step costs one Python call for the whole stack: decodes, prefill chunks, or both.
 
-It serves a `LlamaForCausalLM` whose layers all run on the native ops: quantized weights in the
-interleaved panels (GGUF, exact or W4A8), no biases, no QK norm, SiLU, float32 RMSNorm, the native
-attention backend, one tensor-parallel rank. Any other model runs layer by layer, and so does every step
+It serves the Llama-family decoders, whose layers differ only by flags the op takes as well: Llama (and
+SmolLM2), Mistral (with its sliding window, if the config sets one), Qwen2 (a bias on the qkv projection)
+and Qwen3 (RMSNorm on each query and key head before rotary). The model describes itself
+(`native_stack_spec()`, tokenloom/model/stack_spec.py) and this module builds the op's arguments from that
+description alone, so the stack follows a model's layers without knowing their modules. A model takes it
+when its layers all run on the native ops: quantized weights in the interleaved panels (GGUF, exact or
+W4A8), SiLU, float32 RMSNorm, the native attention backend, one tensor-parallel rank. Any other model
+(Gemma 3's layer shape, a mixture of experts, dense weights) runs layer by layer, and so does every step
 under `--enforce-eager`, with a KV connector's per-layer hooks, or under the step profiler (which times
 the layers' ops apart).
 """
@@ -18,33 +23,37 @@ import logging
 
 import torch
 
+from tokenloom import kernels
+from tokenloom.model.layers.quantized_weight import QuantizedWeight
+from tokenloom.model.stack_spec import NativeLayerSpec, NativeStackSpec, StackableModel
 from tokenloom.profiler import PROFILER
 
 logger = logging.getLogger("tokenloom.engine")
 
 
 class NativeStack:
-    """The argument lists of `tokenloom::decoder_stack` for one loaded model, built once."""
+    """The argument lists of `tokenloom::decoder_stack` for one loaded model, built once from its spec."""
 
-    def __init__(self, model):
-        layers = model.model.layers
-        attn = layers[0].self_attn
-        self.embed_tokens = model.model.embed_tokens
-        self.final_norm = model.model.norm
-        self.rotary = attn.rotary
+    def __init__(self, spec: NativeStackSpec):
+        layers = spec.layers
+        first = layers[0]
+        self.embed_tokens = spec.embed_tokens
+        self.final_norm = spec.final_norm
+        self.rotary_cos, self.rotary_sin = spec.rotary_cos, spec.rotary_sin
         self.weights: list[torch.Tensor] = []  # per layer: its two norms, then each linear's panels
-        self.linears = []  # each layer's qkv, o, gate_up, down QuantizedWeight, layer after layer
         for layer in layers:
-            self.weights += [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                p = linear.weight.panels
-                self.weights += [p.qpacked, p.scales, p.mins]
-                self.linears.append(linear.weight)
-        self.windows = [layer.self_attn.attn.window for layer in layers]
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.eps = float(model.config.rms_norm_eps)
-        self.scale = float(attn.attn.scale)
+            self.weights += [layer.input_norm, layer.post_attention_norm]
+            for w in layer.linears:
+                self.weights += [w.panels.qpacked, w.panels.scales, w.panels.mins]
+        self.qkv_biases: list[torch.Tensor | None] = [layer.qkv_bias for layer in layers]
+        self.q_norms: list[torch.Tensor | None] = [layer.q_norm for layer in layers]
+        self.k_norms: list[torch.Tensor | None] = [layer.k_norm for layer in layers]
+        # Each layer's qkv, o, gate_up, down, layer after layer: read again each step for their int8 mode.
+        self.linears: list[QuantizedWeight] = [w for layer in layers for w in layer.linears]
+        self.windows = [layer.window for layer in layers]
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.eps = first.eps
+        self.scale = first.scale
         self._modes: list[bool] | None = None
         self._layer_ints: list[int] = []
 
@@ -65,69 +74,58 @@ class NativeStack:
     def build(cls, model, attention_backend_name: str) -> NativeStack | None:
         """The fast path for this model, or None (with a debug line saying why) when some layer needs the
         eager forward."""
-        reason = _unsupported(model, attention_backend_name)
-        if reason:
-            logger.debug("steps run layer by layer: %s", reason)
+        spec = _spec_or_reason(model, attention_backend_name)
+        if isinstance(spec, str):
+            logger.debug("steps run layer by layer: %s", spec)
             return None
-        return cls(model)
+        return cls(spec)
 
     @staticmethod
     def can_run() -> bool:
         return not PROFILER.enabled
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+    def op_args(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> tuple:
+        """`tokenloom::decoder_stack`'s arguments for one step (`meta`: NativeAttentionMetadata)."""
+        return (self.embed_tokens(input_ids), positions, self.weights, self.layer_ints(), self.qkv_biases,
+                self.q_norms, self.k_norms, self.final_norm, self.rotary_cos, self.rotary_sin, kv_caches,
+                meta.slot_mapping, meta.num_decodes, meta.block_tables, meta.context_lens, meta.prefill_block_tables,
+                meta.prefill_query_starts, meta.prefill_context_lens, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.eps, self.scale)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta) -> torch.Tensor:
         """The final norm's output for the flat batch; `meta` is the native backend's NativeAttentionMetadata."""
-        return torch.ops.tokenloom.decoder_stack(
-            self.embed_tokens(input_ids), positions, self.weights, self.layer_ints(), self.final_norm.weight,
-            self.rotary.cos, self.rotary.sin, kv_caches, meta.slot_mapping, meta.num_decodes, meta.block_tables,
-            meta.context_lens, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+        return torch.ops.tokenloom.decoder_stack(*self.op_args(input_ids, positions, kv_caches, meta))
 
 
-def _unsupported(model, attention_backend_name: str) -> str | None:
-    """Why this model's steps cannot take the native stack, or None when they can."""
-    from tokenloom import kernels
-    from tokenloom.distributed.parallel_state import tp_group
-    from tokenloom.model.layers.attention_native import NativeAttention
-    from tokenloom.model.layers.norm import RMSNorm
-    from tokenloom.model.layers.quantized_weight import QuantizedWeight
-    from tokenloom.model.models.llama import DecoderLayer, DecoderModel, LlamaForCausalLM
-
+def _spec_or_reason(model, attention_backend_name: str) -> NativeStackSpec | str:
+    """The model's spec when the op can run all of it, else why the steps run layer by layer."""
     if not kernels.enabled():
         return "the native kernels are off"
-    if type(model) is not LlamaForCausalLM or type(model.model) is not DecoderModel:
-        return f"{type(model).__name__} is not a Llama-family decoder"
-    if tp_group().size != 1:
-        return "tensor parallel"
     if attention_backend_name != "native":
         return f"the {attention_backend_name} attention backend"
-    layers = list(model.model.layers)
-    if not layers:
+    if not isinstance(model, StackableModel):
+        return f"{type(model).__name__} does not describe itself for the native stack"
+    spec = model.native_stack_spec()
+    if isinstance(spec, str):
+        return spec
+    return _beyond_the_op(spec) or spec
+
+
+def _beyond_the_op(spec: NativeStackSpec) -> str | None:
+    """What in a described model the op cannot run: it takes one shape, eps and scale for every layer, and
+    runs SiLU-gated MLPs only."""
+    if not spec.layers:
         return "no layers"
-    scales = set()
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not DecoderLayer or type(attn.attn) is not NativeAttention:
-            return f"layer {i} is not a native Llama layer"
-        if attn.q_norm is not None:
-            return "QK norm"
-        if mlp.activation != "silu":
-            return f"the {mlp.activation} activation"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
-            return "norms other than float32 RMSNorm"
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if linear.bias is not None:
-                return "linear biases"
-            if not isinstance(linear.weight, QuantizedWeight) or linear.weight.panels is None:
-                return "weights not in the quantized panels (dense or unquantized)"
-        scales.add(attn.attn.scale)
-    if len(scales) != 1:
-        return "attention scales that differ between layers"
-    final = model.model.norm
-    if type(final) is not RMSNorm or final.weight.dtype != torch.float32:
-        return "a final norm other than float32 RMSNorm"
-    rotary = layers[0].self_attn.rotary
-    if rotary.cos.dtype != torch.float32 or any(layer.self_attn.rotary is not rotary for layer in layers):
-        return "rotary tables not shared in float32"
+    first: NativeLayerSpec = spec.layers[0]
+    for layer in spec.layers:
+        if layer.activation != "silu":
+            return f"the {layer.activation} activation"
+        if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (first.num_heads, first.num_kv_heads,
+                                                                     first.head_dim):
+            return "head counts that differ between layers"
+        if layer.scale != first.scale:
+            return "attention scales that differ between layers"
+        if layer.eps != spec.final_norm_eps:
+            return "norm eps that differ between layers"
     return None

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.kernels.sampling_ops import argmax_rows
 from tokenloom.model.host_copy import tensor_on
-
-from tokenloom.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits processed at once by compute_prompt_logprobs (bounds the

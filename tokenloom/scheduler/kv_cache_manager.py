@@ -11,7 +11,7 @@ release is all-or-nothing per block.
 """
 from __future__ import annotations
 
-from tokenloom.engine.request import Request
+from tokenloom.core.request import Request
 from tokenloom.scheduler.block_pool import NULL_BLOCK, BlockPool, hash_block
 
 

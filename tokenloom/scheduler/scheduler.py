@@ -11,10 +11,10 @@ import bisect
 import time
 
 from tokenloom.config import SchedulerConfig, SpeculativeConfig
-from tokenloom.engine.messages import EngineCoreOutput
-from tokenloom.engine.request import Request, RequestStatus
-from tokenloom.executor.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenloom.kv_transfer.base import SchedulerConnector
+from tokenloom.core.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenloom.core.kv_connector import SchedulerConnector
+from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.core.request import Request, RequestStatus
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 

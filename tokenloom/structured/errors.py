@@ -1,7 +1,7 @@
 """The error every invalid constraint raises: a RequestValidationError (a 400 on the server)."""
 from __future__ import annotations
 
-from tokenloom.engine.validation_error import RequestValidationError
+from tokenloom.core.errors import RequestValidationError
 
 
 class StructuredOutputError(RequestValidationError):

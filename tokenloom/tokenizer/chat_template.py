@@ -34,7 +34,6 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 MAX_RENDER_SECONDS = 2.0
 MAX_RENDER_CHARS = 4 * 2 ** 20

@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as HFTokenizer
 
 from tokenloom.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from tokenloom.tokenizer.gguf_builder import GGUFTokenizerInfo, build_gguf_tokenizer

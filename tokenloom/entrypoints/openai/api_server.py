@@ -38,10 +38,14 @@ import uvicorn
 
 from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-from tokenloom.entrypoints.openai.serving_engine import (DEFAULT_MAX_EXPECTED_LATENCY, DEFAULT_MAX_QUEUE_WAIT,
-                                                         DEFAULT_MAX_WAITING_REQUESTS,
-                                                         DEFAULT_STREAM_WRITE_TIMEOUT, ServerShuttingDownError,
-                                                         ServerState)
+from tokenloom.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_EXPECTED_LATENCY,
+    DEFAULT_MAX_QUEUE_WAIT,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_STREAM_WRITE_TIMEOUT,
+    ServerShuttingDownError,
+    ServerState,
+)
 
 logger = logging.getLogger("tokenloom.server")
 

@@ -19,10 +19,13 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.entrypoints.openai.errors import (BodyGuardMiddleware, NotFoundError, error_body,
-                                                 install_error_handlers)
-from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   TokenizeRequest)
+from tokenloom.entrypoints.openai.errors import BodyGuardMiddleware, NotFoundError, error_body, install_error_handlers
+from tokenloom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding

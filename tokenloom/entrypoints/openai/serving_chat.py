@@ -10,11 +10,17 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    DisconnectAwareStreamingResponse,
+    OpenAIServing,
+    completion_tokens,
+    engine_error_to_api_error,
+    run_cancellable,
+    sse,
+    stream_error_chunk,
+)
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints, template_tools
-from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
-                                                         OpenAIServing, completion_tokens,
-                                                         engine_error_to_api_error, run_cancellable, sse,
-                                                         stream_error_chunk)
 from tokenloom.outputs import RequestOutput
 
 # Names the renderer takes itself: chat_template_kwargs may not override them.

@@ -13,11 +13,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
+from tokenloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    DisconnectAwareStreamingResponse,
+    OpenAIServing,
+    completion_tokens,
+    engine_error_to_api_error,
+    merge_generators,
+    run_cancellable,
+    sse,
+    stream_error_chunk,
+)
 from tokenloom.entrypoints.openai.structured import apply_constraints
-from tokenloom.entrypoints.openai.serving_engine import (SSE_DONE, DisconnectAwareStreamingResponse,
-                                                         OpenAIServing, completion_tokens,
-                                                         engine_error_to_api_error, merge_generators,
-                                                         run_cancellable, sse, stream_error_chunk)
 from tokenloom.outputs import CompletionOutput, RequestOutput
 
 

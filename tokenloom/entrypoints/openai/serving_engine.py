@@ -20,17 +20,27 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tokenloom.engine.async_llm import (AsyncLLM, DuplicateRequestIdError, EngineDeadError, RequestFailedError,
-                                       RequestTimeoutError)
+from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
+from tokenloom.engine.async_llm import (
+    AsyncLLM,
+    DuplicateRequestIdError,
+    EngineDeadError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
+from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT
 from tokenloom.entrypoints.openai.admission import UNSET_MAX_TOKENS_ESTIMATE, Arrival, EngineLoad, Limits, decide
-from tokenloom.engine.dp_client import ReplicaUnavailableError
-from tokenloom.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, ServerError,
-                                                 ServiceUnavailableError, error_body)
+from tokenloom.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+    error_body,
+)
 from tokenloom.entrypoints.openai.protocol import SamplingFields
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenloom.sampling_params import SamplingParams, SamplingParamsError
-
 
 logger = logging.getLogger("tokenloom.server")
 

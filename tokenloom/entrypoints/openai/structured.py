@@ -12,8 +12,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.openai.errors import BadRequestError
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured.errors import StructuredOutputError
 from tokenloom.structured.reasoning import get_reasoning_parser
 from tokenloom.structured.spec import check_schema, close_objects, normalize_structured_outputs

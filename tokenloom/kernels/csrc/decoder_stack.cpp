@@ -1,4 +1,5 @@
-// A step through a whole Llama-family decoder stack in one call (tokenloom/model/native_stack.py).
+// A step through a whole Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) in one call
+// (tokenloom/model/native_stack.py).
 //
 // Layer by layer from Python, a batch-1 decode step of the embedded model makes ~330 op calls: ~11 a layer
 // (two add-and-norms, four quantized GEMMs, the QKV split, rotary, the cache write, attention, SiLU-and-mul).
@@ -13,7 +14,10 @@
 //
 // weights: per layer, in order, input norm, post-attention norm, then qkv, o, gate_up, down, each as the
 // interleaved panels (qpacked, scales, mins). layer_ints: per layer, its sliding window (0: none), then per
-// linear (n, bits, block_size, int8 activations 0/1).
+// linear (n, bits, block_size, int8 activations 0/1). qkv_biases, q_norms, k_norms: one entry a layer, None
+// where the layer has none: Qwen2's bias is added to the qkv projection's output as QuantizedWeight.linear
+// adds it (add_), Qwen3's per-head RMSNorm runs on q and k before rotary as SelfAttention.forward runs it
+// (rms_norm over each head's head_dim values).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -27,6 +31,7 @@ constexpr int64_t WEIGHTS_PER_LAYER = 14;     // 2 norms + 4 linears x (qpacked,
 constexpr int64_t INTS_PER_LAYER = 1 + 4 * 4;  // window + 4 linears x (n, bits, block_size, a8)
 
 using TensorCRef = const at::Tensor&;
+using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
 using GemmFn = at::Tensor(TensorCRef, TensorCRef, TensorCRef, TensorCRef, int64_t, int64_t, int64_t);
 using RmsNormFn = at::Tensor(TensorCRef, TensorCRef, double);
 using AddRmsNormFn = std::tuple<at::Tensor, at::Tensor>(TensorCRef, TensorCRef, TensorCRef, double);
@@ -89,9 +94,17 @@ at::Tensor attend(const Ops& o, TensorCRef q, TensorCRef cache, const StepAttent
   return out;
 }
 
-at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::TensorList weights, c10::IntArrayRef layer_ints,
-                         TensorCRef final_norm, TensorCRef cos, TensorCRef sin, at::TensorList kv_caches,
-                         TensorCRef slot_mapping, int64_t num_decodes, const c10::optional<at::Tensor>& decode_tables,
+// A list of per-layer optional tensors: one entry a layer, None where the layer has none.
+void check_per_layer(const OptionalTensors& tensors, int64_t layers, const char* what) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers, "decoder_stack: one entry a layer in ", what,
+              " (None where a layer has none)");
+}
+
+at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::TensorList weights,
+                         c10::IntArrayRef layer_ints, const OptionalTensors& qkv_biases, const OptionalTensors& q_norms,
+                         const OptionalTensors& k_norms, TensorCRef final_norm, TensorCRef cos, TensorCRef sin,
+                         at::TensorList kv_caches, TensorCRef slot_mapping, int64_t num_decodes,
+                         const c10::optional<at::Tensor>& decode_tables,
                          const c10::optional<at::Tensor>& decode_lens, const c10::optional<at::Tensor>& prefill_tables,
                          const c10::optional<at::Tensor>& prefill_starts, const c10::optional<at::Tensor>& prefill_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
@@ -100,6 +113,9 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
               "decoder_stack: ", WEIGHTS_PER_LAYER, " weight tensors a layer, one KV cache a layer");
   TORCH_CHECK(static_cast<int64_t>(layer_ints.size()) == layers * INTS_PER_LAYER,
               "decoder_stack: ", INTS_PER_LAYER, " ints a layer");
+  check_per_layer(qkv_biases, layers, "qkv_biases");
+  check_per_layer(q_norms, layers, "q_norms");
+  check_per_layer(k_norms, layers, "k_norms");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat,
               "decoder_stack: embeddings must be float32 [tokens, hidden]");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= embeddings.size(0), "decoder_stack: num_decodes outside the batch");
@@ -120,10 +136,19 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     } else {
       std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(o, h, w, 2, ints, 1);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    at::Tensor qkv = linear(o, h, w, 2, ints, 1);
+    const c10::optional<at::Tensor> qkv_bias = qkv_biases.get(l);
+    if (qkv_bias) qkv.add_(*qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    const c10::optional<at::Tensor> q_norm = q_norms.get(l), k_norm = k_norms.get(l);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_stack: layer ", l,
+                " has a norm on only one of q, k");
+    if (q_norm) {
+      q = o.rms_norm.call(q, *q_norm, eps);
+      k = o.rms_norm.call(k, *k_norm, eps);
+    }
     at::Tensor q_rot, k_rot;
     std::tie(q_rot, k_rot) = o.rotary.call(positions, q, k, cos, sin);
     at::Tensor cache = kv_caches[l];
@@ -141,10 +166,11 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
-  m.def("decoder_stack(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, Tensor final_norm, "
-        "Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, int num_decodes, Tensor? decode_tables, "
-        "Tensor? decode_lens, Tensor? prefill_tables, Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+  m.def("decoder_stack(Tensor embeddings, Tensor positions, Tensor[] weights, int[] layer_ints, Tensor?[] qkv_biases, "
+        "Tensor?[] q_norms, Tensor?[] k_norms, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
+        "Tensor slot_mapping, int num_decodes, Tensor? decode_tables, Tensor? decode_lens, Tensor? prefill_tables, "
+        "Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

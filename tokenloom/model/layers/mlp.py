@@ -1,12 +1,10 @@
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tokenloom.kernels import layer_ops
 from tokenloom.model.arch_config import UnsupportedModelError
 from tokenloom.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tokenloom.model.layers.module import InferenceModule
-
 
 # The gate's activation by HF config name (hidden_act / hidden_activation).
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -14,8 +14,6 @@ experts' before it.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
 
 from tokenloom.distributed.parallel_state import all_reduce

@@ -32,8 +32,8 @@ def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
     if os.path.isdir(path):
         from tokenloom.model.loader.safetensors_loader import HFModelFolder
         return HFModelFolder(path)
-    from tokenloom.model.loader.weight_cache import QUANTIZED, CachedWeights
     from tokenloom.model.loader.gguf_loader import GGUFModelFile
+    from tokenloom.model.loader.weight_cache import QUANTIZED, CachedWeights
     return CachedWeights.lookup(path, QUANTIZED if quantized else dtype) or GGUFModelFile(path)
 
 

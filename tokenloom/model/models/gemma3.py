@@ -78,6 +78,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)  # built on the meta device by the loader: the replaced Llama decoder costs nothing
         self.model = Gemma3Model(cfg)
 
+    def native_stack_spec(self) -> str:
+        """Gemma's layer shape is not the stack's: (1 + weight) norms, four a layer, GeLU, scaled embeddings,
+        two rotary tables."""
+        return "Gemma 3's layer shape (four (1 + weight) norms a layer, GeLU, two rotary tables)"
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcapping

@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.attention_native import NativeAttention
 from tokenloom.model.layers.linear import QKVParallelLinear, RowParallelLinear, mixed_linear
 from tokenloom.model.layers.mlp import GatedMLP
 from tokenloom.model.layers.module import InferenceModule
@@ -14,6 +16,7 @@ from tokenloom.model.layers.norm import RMSNorm
 from tokenloom.model.layers.rotary import RotaryEmbedding
 from tokenloom.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from tokenloom.model.models.registry import register
+from tokenloom.model.stack_spec import NativeLayerSpec, NativeStackSpec, float32_rms_norm, panelled_weight
 
 # Checkpoint projection name -> (merged module name, shard).
 MERGED = {
@@ -73,6 +76,40 @@ class DecoderLayer(InferenceModule):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def native_stack_spec(self) -> NativeLayerSpec | str:
+        """This layer in the native stack's terms (tokenloom/model/stack_spec.py), or why it has none: the
+        stack runs exactly what forward() runs, so anything forward() does on another path is a reason."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(attn.attn, NativeAttention):
+            return "attention not on the native backend"
+        if not isinstance(mlp, GatedMLP):
+            return "a mixture-of-experts MLP"
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if (attn.q_norm is None) != (attn.k_norm is None):
+            return "a norm on only one of q and k"
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        weights = [float32_rms_norm(n) for n in norms]
+        if any(w is None for w in weights):
+            return "norms other than float32 RMSNorm"
+        if len({n.eps for n in norms}) != 1:
+            return "norms with differing eps"
+        linears = [panelled_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w is None for w in linears):
+            return "weights not in the quantized panels (dense or unquantized)"
+        if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return "biases on the o, gate/up or down projections"
+        qkv_bias = attn.qkv_proj.bias
+        if qkv_bias is not None and qkv_bias.dtype != torch.float32:
+            return "a qkv bias other than float32"
+        q_norm, k_norm = (weights[2], weights[3]) if attn.q_norm is not None else (None, None)
+        return NativeLayerSpec(
+            input_norm=weights[0], post_attention_norm=weights[1], qkv=linears[0], o=linears[1],
+            gate_up=linears[2], down=linears[3], qkv_bias=None if qkv_bias is None else qkv_bias.data,
+            q_norm=q_norm, k_norm=k_norm, window=attn.attn.window, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=float(norms[0].eps),
+            scale=float(attn.attn.scale), activation=mlp.activation)
+
 
 class DecoderModel(InferenceModule):
     def __init__(self, cfg: ArchConfig):
@@ -87,6 +124,25 @@ class DecoderModel(InferenceModule):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def native_stack_spec(self) -> NativeStackSpec | str:
+        """The decoder in the native stack's terms, or why some part of it has none."""
+        if not len(self.layers):
+            return "no layers"
+        layers = []
+        for i, layer in enumerate(self.layers):
+            spec = layer.native_stack_spec()
+            if isinstance(spec, str):
+                return f"layer {i}: {spec}"
+            layers.append(spec)
+        final = float32_rms_norm(self.norm)
+        if final is None:
+            return "a final norm other than float32 RMSNorm"
+        rotary = self.layers[0].self_attn.rotary
+        if rotary.cos.dtype != torch.float32 or any(layer.self_attn.rotary is not rotary for layer in self.layers):
+            return "rotary tables not shared in float32"
+        return NativeStackSpec(embed_tokens=self.embed_tokens, layers=tuple(layers), final_norm=final,
+                               final_norm_eps=float(self.norm.eps), rotary_cos=rotary.cos, rotary_sin=rotary.sin)
 
 
 @register("LlamaForCausalLM")
@@ -103,6 +159,13 @@ class LlamaForCausalLM(InferenceModule):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def native_stack_spec(self) -> NativeStackSpec | str:
+        """The model for the native stack (tokenloom/model/native_stack.py), or why it runs layer by layer.
+        One tensor-parallel rank only: the stack has no all-reduce after o_proj and down_proj."""
+        if tp_group().size != 1:
+            return "tensor parallel"
+        return self.model.native_stack_spec()
 
     def head_weight(self) -> torch.Tensor:
         """The output projection's weight, as compute_logits multiplies by it."""

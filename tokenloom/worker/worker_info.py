@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.core.kv_metadata import KVWorkerInfo
 from tokenloom.model.pooling_config import PoolingConfig
-from tokenloom.kv_transfer.metadata import KVWorkerInfo
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):

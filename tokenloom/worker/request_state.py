@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.executor.contract import CachedRequestData, NewRequestData, sequence_key
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.contract import CachedRequestData, NewRequestData, sequence_key
+from tokenloom.core.sampling_params import SamplingParams
 
 # Child c of a seeded request draws from seed + CHILD_SEED_STRIDE * c, so siblings differ.
 CHILD_SEED_STRIDE = 1_000_003

@@ -6,9 +6,8 @@ import itertools
 import time
 from typing import Any
 
-from tokenloom.executor.contract import sequence_key
-from tokenloom.sampling_params import SamplingParams
-
+from tokenloom.core.contract import sequence_key
+from tokenloom.core.sampling_params import SamplingParams
 
 _ARRIVAL_ORDER = itertools.count()  # breaks ties between equal arrival timestamps
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.worker_info import WorkerInfo
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.worker.worker_info import WorkerInfo
 
 
 class ExecuteModel(msgspec.Struct, tag=True):

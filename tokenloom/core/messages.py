@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):

@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import torch
 
+from tokenloom.core.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
 from tokenloom.distributed.parallel_state import tp_group
-from tokenloom.executor.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
-from tokenloom.executor.request_state import RequestState
 from tokenloom.model.host_copy import tensor_on
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.pooler import pool
@@ -22,6 +21,7 @@ from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
+from tokenloom.worker.request_state import RequestState
 
 
 class TokenOutOfVocabulary(IndexError):
@@ -46,7 +46,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
-        self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.model.cuda_graphs)
+        self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.worker.cuda_graphs)
         self.native_stack = None  # NativeStack on CPU unless --enforce-eager (tokenloom.model.native_stack)
         self.drafter: WorkerProposer | None = None  # a proposer that runs here (draft model), set by the setup
 

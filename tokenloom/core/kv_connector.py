@@ -1,8 +1,8 @@
 """The two halves of a KV connector. Default methods do nothing, so each connector implements what it uses."""
 from __future__ import annotations
 
-from tokenloom.engine.request import Request
-from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
+from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo
+from tokenloom.core.request import Request
 
 
 class SchedulerConnector:

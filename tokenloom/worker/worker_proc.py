@@ -1,6 +1,6 @@
 """A worker process: one rank, started by the `mp` executor (or by a node that only runs workers).
 
-``python -m tokenloom.executor.worker_proc --rank R --master-port P [--input A --output B]`` with
+``python -m tokenloom.worker.worker_proc --rank R --master-port P [--input A --output B]`` with
 the engine config (msgspec JSON) on stdin. Rank 0 receives each message from the EngineCore over
 ZMQ, forwards its bytes to the other ranks with a torch.distributed broadcast (so ranks on other
 machines need no socket of their own), and alone answers. Every rank runs the same forward.
@@ -26,10 +26,10 @@ import torch
 import zmq
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.process import set_parent_death_signal
 from tokenloom.distributed.parallel_state import broadcast_bytes
-from tokenloom.engine.core_proc import _set_parent_death_signal
-from tokenloom.executor import messages
-from tokenloom.executor.worker import Worker
+from tokenloom.worker import messages
+from tokenloom.worker.worker import Worker
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -51,7 +51,7 @@ def start_workers(config: EngineConfig, master_port: int, input_addr: str | None
     threads = threads_per_rank(parallel.ranks_per_node)
     procs = {}
     for rank in parallel.local_ranks:
-        cmd = [sys.executable, "-m", "tokenloom.executor.worker_proc", "--rank", str(rank),
+        cmd = [sys.executable, "-m", "tokenloom.worker.worker_proc", "--rank", str(rank),
                "--master-port", str(master_port), "--parent-pid", str(os.getpid()), "--threads", str(threads)]
         if rank == 0:
             cmd += ["--input", input_addr, "--output", output_addr]
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != args.parent_pid:
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop

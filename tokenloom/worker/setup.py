@@ -13,20 +13,24 @@ from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
-from tokenloom.executor.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
 from tokenloom.heap_trim import release_free_heap
 from tokenloom.model.arch_config import ArchConfig
-from tokenloom.model.cuda_graphs import DecodeGraphs, capture_sizes
-from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, select_attention_backend, \
-    selected_attention_backend
+from tokenloom.model.layers.attention_backend import (
+    AttentionBackend,
+    ScheduledSpan,
+    select_attention_backend,
+    selected_attention_backend,
+)
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.native_stack import NativeStack
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
-from tokenloom.model.runner import ModelRunner
-from tokenloom.spec_decode.draft_model import build_drafter, check_draft_vocabulary
+from tokenloom.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from tokenloom.worker.draft_model import build_drafter, check_draft_vocabulary
+from tokenloom.worker.kv_budget import ProfiledMemory, kv_blocks, profile_cuda_step
+from tokenloom.worker.runner import ModelRunner
 
 logger = logging.getLogger("tokenloom.engine")
 

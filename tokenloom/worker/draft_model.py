@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenloom.config import ConfigError
-from tokenloom.executor.contract import SchedulerOutput
-from tokenloom.executor.request_state import CHILD_SEED_STRIDE, RequestState
+from tokenloom.core.contract import SchedulerOutput
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, attention_backend
 from tokenloom.model.sampler import Sampler, SamplingRow
 from tokenloom.spec_decode.proposer import WorkerProposer
+from tokenloom.worker.request_state import CHILD_SEED_STRIDE, RequestState
 
 # A seeded request's draft generator starts at seed + DRAFT_SEED_OFFSET (+ the child stride), so the draft
 # never draws the numbers the target's verification draws.

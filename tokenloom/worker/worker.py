@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.distributed.expert_parallel import init_expert_parallel
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
-from tokenloom.executor.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.setup import _name, build_worker, pick_device
-from tokenloom.executor.worker_info import WorkerInfo
 from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.rank_reports import group_info
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.worker.setup import _name, build_worker, pick_device
+from tokenloom.worker.worker_info import WorkerInfo
 
 logger = logging.getLogger("tokenloom.engine")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenloom.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput
+from tokenloom.core.sampling_params import SamplingParams
 
 # One token's logprobs: [[token_id, logprob, rank], ...], the chosen token first, then the top-k.
 TokenLogprobs = list[list[float]]

@@ -13,6 +13,7 @@ the GPU. The logits are computed outside the graph, on the real rows only.
 from __future__ import annotations
 
 import logging
+
 import torch
 from tqdm import tqdm
 
