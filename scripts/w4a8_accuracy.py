@@ -1,5 +1,5 @@
 """W4A8 against the exact quantized path on real text, teacher-forced: the largest |log p(next token)|
-difference over all positions and the top-1 agreement (PERFORMANCE.md, issue 15's W4A8 accuracy).
+difference over all positions and the top-1 agreement (docs/performance.md, "Choosing a mode").
 
 Usage: .venv/bin/python scripts/w4a8_accuracy.py
 """

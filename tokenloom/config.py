@@ -117,7 +117,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     # 512 by measurement on CPU: a step's activations stay in the CPU cache (prefill 964 -> 1,032 tokens/s
-    # against 1024; see PERFORMANCE.md).
+    # against 1024; see docs/performance.md).
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 512  # per-request cap on one prefill chunk
 

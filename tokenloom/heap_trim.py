@@ -4,7 +4,7 @@ Why it is needed: torch allocates tensors with malloc. After the first large ten
 its mmap threshold (up to 32 MiB) and its trim threshold (twice that), so later activations of a few MiB come
 from the heap; when they are freed, the holes between live blocks stay resident, and so does up to 64 MiB at
 the heap's top. The engine then holds memory it is not using. Measured on the embedded SmolLM2 at a 4,096-token
-context (PERFORMANCE.md, "Engine memory at a 4k context"): 5 MiB free in the heap after start-up, 8 MiB after a
+context (docs/performance.md, "Memory"): 5 MiB free in the heap after start-up, 8 MiB after a
 225-token request, 55 MiB after a 3,900-token one; `malloc_trim(0)` returns them in 1.3-5.1 ms.
 
 Why not smaller fixed thresholds instead (mallopt M_MMAP_THRESHOLD / MALLOC_MMAP_THRESHOLD_): every activation

@@ -1,5 +1,5 @@
 """`tokenloom bench collectives`: all-reduce latency on this machine's torch.distributed backend, and the
-alpha-beta fit the tensor-parallel cost model uses (PERFORMANCE.md, "Scaling past one box").
+alpha-beta fit the tensor-parallel cost model uses (docs/performance.md, "Tensor parallel").
 
 Each world size runs as that many processes on 127.0.0.1 (gloo on CPU). An all-reduce of S bytes over p
 ranks is modelled as alpha + 2(p-1)/p * S / beta (a ring: each rank sends and receives that share);

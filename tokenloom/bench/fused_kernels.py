@@ -1,6 +1,6 @@
 """`python -m tokenloom.bench.fused_kernels`: microseconds per call of each fused native op against the
 torch code it replaces, on SmolLM2-135M's shapes (hidden 576, 9 heads over 3 KV heads of 64, MLP 1536,
-block 16), interleaved A/B so machine noise hits both alike. The figures in PERFORMANCE.md come from here.
+block 16), interleaved A/B so machine noise hits both alike. The figures in docs/performance.md come from here.
 """
 from __future__ import annotations
 

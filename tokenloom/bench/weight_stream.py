@@ -6,7 +6,7 @@ L3 cache, so every pass reads them from memory). The variants:
 - `fp32 scales, 4 KiB pages`: the interleaved form before float16 scales and huge pages;
 - `fp16 scales, 4 KiB pages`: float16 block scales and mins (tokenloom/kernels/quant.py compact_scales);
 - `fp16 scales, huge pages`: as the engine loads them (tokenloom/model/huge_pages.py).
-The figures of PERFORMANCE.md's "The batch-1 step" come from here. Use `--threads 1` on a loaded
+The figures of docs/performance.md's "The batch-1 step" come from here. Use `--threads 1` on a loaded
 machine: it times on the thread's own CPU clock, so time spent descheduled does not count.
 """
 from __future__ import annotations

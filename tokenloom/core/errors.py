@@ -2,8 +2,8 @@
 
 Its own module so that code on the engine process's side (structured outputs' constraint checks) can raise it
 without importing the input processor, whose tokenizer pulls in `tokenizers` and jinja2: the engine's modules
-cost 13.0 MiB of RSS over torch's with them, 6.2 MiB without, in a process that never tokenizes (PERFORMANCE.md,
-"Engine memory at a 4k context").
+cost 13.0 MiB of RSS over torch's with them, 6.2 MiB without, in a process that never tokenizes (docs/performance.md,
+"Memory").
 """
 from __future__ import annotations
 

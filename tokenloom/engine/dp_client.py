@@ -40,7 +40,7 @@ KV_USAGE_WEIGHT = 4.0
 # Prefix affinity yields to load when the prefix holder's score exceeds the least loaded replica's by
 # more than this many requests AND by AFFINITY_REL_SLACK times (SGLang's router uses an absolute and a
 # relative threshold the same way). A prefix hit saves its prompt's prefill (on CPU ~1 ms per token,
-# PERFORMANCE.md) while each request ahead in the batch costs a share of every step, so a few extra
+# docs/performance.md) while each request ahead in the batch costs a share of every step, so a few extra
 # requests are worth one long shared prefix; a replica twice as busy is not.
 AFFINITY_ABS_SLACK = 4.0
 AFFINITY_REL_SLACK = 2.0
@@ -67,7 +67,7 @@ def replica_env(dp: int, tp: int) -> dict[str, str]:
     """The environment of a replica's engine: unless --threads (OMP_NUM_THREADS) is set, each of the
     dp x tp ranks computes with its share of the cores. Oversubscribed OpenMP threads spin waiting for
     a core: on this 2-core box a decode with 2 threads per process beside another busy process fell to
-    ~1 token/s (PERFORMANCE.md, speculative decoding)."""
+    ~1 token/s (docs/performance.md, speculative decoding)."""
     env = dict(os.environ)
     if not env.get("OMP_NUM_THREADS", "").isdigit():
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // (dp * tp)))

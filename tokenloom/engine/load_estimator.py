@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 # A prompt token costs about a fifth of an output token at full batch on the CPU path: prefill runs
-# at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (PERFORMANCE.md, this machine).
+# at ~1,000 tokens/s, batched decode at ~165-230 output tokens/s (docs/performance.md, this machine).
 PROMPT_TOKEN_WEIGHT = 0.2
 # The fixed cost of a decode step, in sequences' worth: measured here, a batch-1 step takes 32.6 ms and
 # serving 32 streams makes 164.8 tokens/s (a 194 ms step), 5.9x for 32x the sequences, so F ~ 5.5; 4 is
@@ -35,7 +35,7 @@ BATCH_OVERHEAD_SEQS = 4.0
 # past 180 s with other work on its 2 cores; too slow a guess only refuses (503) more of the first burst).
 PRIOR_MARGIN = 4.0
 # Output tokens/s at a full batch of 64 assumed when there was no warm-up step to time: a quarter of the
-# batched serving rate measured here unloaded (164.8 output tokens/s, PERFORMANCE.md).
+# batched serving rate measured here unloaded (164.8 output tokens/s, docs/performance.md).
 DEFAULT_OUTPUT_RATE = 40.0
 DEFAULT_BATCH = 64
 # Weight of the newest step in the moving averages: about the last 1 / STEP_ALPHA = 4 steps count, ~1.5 s

@@ -4,7 +4,7 @@ The API process receives one message from the engine per engine step: at concurr
 pyzmq's asyncio socket makes a Future for each `await recv()`, registers and unregisters its interest,
 and reads the socket's event flags through its Python option layer: py-spy put about a third of the
 API event loop's time there, while the process took ~1 ms of CPU a streamed token, CPU the engine's two
-threads lose on a 2-core machine (PERFORMANCE.md, "The serving path at concurrency 1").
+threads lose on a 2-core machine (docs/performance.md, "The batch-1 step").
 
 Here the socket is a plain one. The loop watches its ZMQ_FD, which becomes readable when messages may
 have arrived; each wake-up reads every queued message without blocking, until EAGAIN (libzmq clears the

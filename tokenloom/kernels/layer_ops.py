@@ -3,7 +3,7 @@
 The references are the model's torch path itself (tokenloom/model/layers/norm.py, rotary.py, mlp.py call
 them when the native ops are off), so a kernel test against a reference is a test against the engine's
 own fallback. Each native op replaces several torch calls a layer, whose dispatch overhead dominated a
-batch-1 decode step (see PERFORMANCE.md, "Fused kernels"):
+batch-1 decode step (see docs/performance.md, "Fused layer ops"):
 
 - `rms_norm(x, weight, eps)`: weight * (x * rsqrt(mean(x^2) + eps)), in float32.
 - `add_rms_norm(x, residual, weight, eps)` -> (rms_norm(x + residual), x + residual): the residual add

@@ -3,7 +3,7 @@
 A batch-1 decode step reads every weight once (94 MiB on the embedded model) and is bound by memory.
 On 4 KiB pages that stream takes a TLB miss every 4 KiB, and the hardware prefetchers stop at each
 page's edge; on 2 MiB pages a pass over the same weights took 0.91x the time (exact) and 0.85x (W4A8)
-at 2 threads (`python -m tokenloom.bench.weight_stream`; PERFORMANCE.md, "The batch-1 step: float16
+at 2 threads (`python -m tokenloom.bench.weight_stream`; docs/performance.md, "The batch-1 step: float16
 scales, huge pages and the API process"). Linux backs an anonymous mapping advised
 MADV_HUGEPAGE with huge pages when transparent huge pages are `always` or `madvise` (the usual
 default); where they are `never`, or off Linux, the advice is ignored and nothing else changes.

@@ -243,7 +243,7 @@ def allocate_kv_cache(shape: tuple, dtype: torch.dtype, device: torch.device) ->
     """One layer's KV cache, zero-filled. On CPU it is a fresh anonymous mapping: it reads as zeros and the
     kernel backs a page with memory only when a block on it is first written, so start-up does not fault in
     (and the process does not hold) the whole budget. torch.zeros wrote every page: ~0.5 s and its full size in
-    RSS for the default 2 GiB, before the first request (PERFORMANCE.md, "Start-up and memory")."""
+    RSS for the default 2 GiB, before the first request (docs/performance.md, "Memory")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps the mapping alive

@@ -64,7 +64,7 @@ class ServerShuttingDownError(RuntimeError):
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # Default --max-expected-latency: the issue-21 flood (400 concurrent 64-token requests, client timeout 180 s)
 # is answered cleanly with a 3x margin for the estimate's error: the machine slowing down after admission,
-# the rate guessed (40 tokens/s) before the first steps are measured. Measured: see README, "Overload".
+# the rate guessed (40 tokens/s) before the first steps are measured. Measured: docs/performance.md, "Overload".
 DEFAULT_MAX_EXPECTED_LATENCY = 60.0
 # Default --max-queue-wait: off; the expected latency above includes the wait.
 DEFAULT_MAX_QUEUE_WAIT = 0.0

@@ -7,7 +7,7 @@ bfloat16), so the block pool, block copies and prefix cache are shared unchanged
 (`write_kv_cache`, every new token, so a chunk's own K/V are in the cache before it attends), then the two
 kernels. The prefill kernel replaced one SDPA call per chunk (over the chunk's K/V, or over its gathered blocks
 with a boolean mask when it continues a sequence): 1.4-4x faster per call (one thread) from 16 to 2,000 rows,
-fresh and continued, float32 and bfloat16 caches (PERFORMANCE.md, "Prefill attention"), so no size falls back
+fresh and continued, float32 and bfloat16 caches (docs/performance.md, "Prefill attention"), so no size falls back
 to SDPA.
 Chosen by default on CPU when the native kernels load (`--attention-backend auto`); `--attention-backend
 native` asks for it explicitly.

@@ -10,7 +10,7 @@ Two numeric paths, chosen by `--quantized-matmul`:
 - `exact` (default): float32 activations times the weight dequantized in registers; float32 results
   within ~1e-6 relative of the dequantized float32 model's, whatever else is in the batch.
 - `w4a8`: activations quantized to int8 per 32 values (llama.cpp's scheme); faster, lossier
-  (PERFORMANCE.md has its measured accuracy).
+  (docs/performance.md has its measured accuracy).
 """
 from __future__ import annotations
 
