@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.config import ConfigError
+from tokenloom.model.layers.attention_backend import AttentionBackend
 
 # FlashInfer's float workspace for split-KV partial results; 128 MiB is what its own examples and vLLM use.
 WORKSPACE_BYTES = 128 * 2 ** 20
@@ -101,8 +102,8 @@ class FlashInferAttention:
         return out.view(q.shape[0], -1)
 
 
-class FlashInferBackend:
-    """Registered as `flashinfer`; plans each step once, for every layer."""
+class FlashInferBackend(AttentionBackend):
+    """Chosen as `flashinfer`; plans each step once, for every layer."""
 
     name = "flashinfer"
 
