@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend
-from tokenloom.model.layers.attention_select import choose_attention_backend
 from tokenloom.model.layers.attention_flashinfer import paged_kv_layout
+from tokenloom.model.layers.attention_select import choose_attention_backend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
