@@ -50,7 +50,7 @@ def paged_kv_layout(spans, block_size: int) -> PagedLayout:
 
 def flashinfer_available() -> bool:
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer  # noqa: F401  # lazy: optional CUDA dependency, probed
     except Exception:  # ImportError, or a CUDA/toolkit mismatch raised at import
         return False
     return torch.cuda.is_available()
@@ -109,7 +109,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self):
         try:
-            import flashinfer
+            import flashinfer  # lazy: optional CUDA dependency
         except Exception as e:
             raise ConfigError(f"attention backend 'flashinfer' needs the flashinfer-python package ({e})") from e
         self._flashinfer = flashinfer
