@@ -131,10 +131,10 @@ def main() -> int:
     import tokenloom.engine.core_proc  # noqa: F401 - the engine process's own imports
     from tokenloom.config import EngineConfig
     from tokenloom.heap_trim import release_free_heap
-    from tokenloom.worker import setup
+    from tokenloom.worker import kv_cache, phases, warm_up
     rec.mark("import the engine's modules")
 
-    load_model, warm_up, allocate = setup.load_model, setup._warm_up, setup.allocate_kv_cache
+    load_model, warm_up_forward, allocate = phases.load_model, warm_up.warm_up_forward, kv_cache.allocate_kv_cache
     loaded_bytes = []
 
     def timed_load(*args, **kwargs):
@@ -150,11 +150,11 @@ def main() -> int:
 
     def timed_warm_up(*args, **kwargs):
         rec.mark("KV mapping, runner")
-        seconds = warm_up(*args, **kwargs)
+        seconds = warm_up_forward(*args, **kwargs)
         rec.mark("warm-up")
         return seconds
 
-    setup.load_model, setup._warm_up, setup.allocate_kv_cache = timed_load, timed_warm_up, tracked_allocate
+    phases.load_model, warm_up.warm_up_forward, kv_cache.allocate_kv_cache = timed_load, timed_warm_up, tracked_allocate
     options = {k: _value(v) for k, v in (o.split("=", 1) for o in ns.options)}
     config = EngineConfig.from_kwargs(max_model_len=ns.max_model_len, **options)
     core = tokenloom.engine.core_proc.default_core_factory(config)

@@ -54,18 +54,20 @@ def _matmul_key(matmul_dtype, dtype) -> str:
 def _reuse_loaded(loaded_by_path: dict, matmul_dtype=None):
     """Make build_engine reuse already loaded weights for known (path, dtype, device, matmul dtype)
     (loading is deterministic)."""
-    import tokenloom.worker.setup as setup
+    import tokenloom.worker.phases as phases
     from tokenloom.model.model_path import resolve_model_path
-    real = setup.load_model
+    real = phases.load_model
 
-    def load(model, dtype, device, progress=True):
-        key = (resolve_model_path(model), dtype, torch.device(device), _matmul_key(matmul_dtype, dtype))
+    def load(model, dtype, device, progress=True, attention=None):
+        # The layers' impls are the backend's: engines on different backends load apart.
+        key = (resolve_model_path(model), dtype, torch.device(device), _matmul_key(matmul_dtype, dtype),
+               attention.name if attention is not None else None)
         if key not in loaded_by_path:
-            loaded_by_path[key] = real(model, dtype, device, progress=progress)
+            loaded_by_path[key] = real(model, dtype, device, progress=progress, attention=attention)
         return loaded_by_path[key]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(setup, "load_model", load)
+        mp.setattr(phases, "load_model", load)
         yield
 
 
@@ -74,7 +76,10 @@ def make_llm(embedded_path, embedded_loaded):
     """``make_llm(**engine_args)``: an LLM on the embedded model that shares one loaded copy of the weights
     (each LLM still has its own KV cache, scheduler and config)."""
     from tokenloom import LLM
-    loaded = {(embedded_path, torch.float32, torch.device("cpu"), "same"): embedded_loaded}
+    from tokenloom.model.layers.attention_select import choose_attention_backend
+    cpu = torch.device("cpu")
+    # embedded_loaded's impls are the automatic CPU backend's, as an engine on the defaults chooses.
+    loaded = {(embedded_path, torch.float32, cpu, "same", choose_attention_backend("auto", cpu)): embedded_loaded}
 
     def make(**engine_args):
         engine_args.setdefault("dtype", "float32")

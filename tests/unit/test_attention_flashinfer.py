@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend, select_attention_backend
+from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend
 from tokenloom.model.layers.attention_flashinfer import paged_kv_layout
+from tokenloom.model.layers.attention_select import choose_attention_backend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
@@ -81,12 +82,9 @@ def test_attention_through_the_planned_pages_equals_the_torch_backend():
 
 def test_auto_picks_flashinfer_only_on_cuda_without_windows():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    try:
-        assert select_attention_backend("auto", cpu, torch.bfloat16) == "torch"
-        assert select_attention_backend("auto", cuda, torch.bfloat16, windowed=True) == "torch"
-        assert select_attention_backend("flashinfer", cpu, torch.float32) == "flashinfer"
-    finally:
-        select_attention_backend("auto", cpu, torch.float32)
+    assert choose_attention_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert choose_attention_backend("auto", cuda, torch.bfloat16, windowed=True) == "torch"
+    assert choose_attention_backend("flashinfer", cpu, torch.float32) == "flashinfer"
 
 
 @pytest.mark.gpu

@@ -7,8 +7,8 @@ import torch
 
 from tokenloom import kernels
 from tokenloom.config import ConfigError
-from tokenloom.model.layers.attention_backend import select_attention_backend
-from tokenloom.worker.setup import allocate_kv_cache
+from tokenloom.model.layers.attention_select import choose_attention_backend
+from tokenloom.worker.kv_cache import allocate_kv_cache
 
 
 def _rss_mib() -> float:
@@ -33,13 +33,13 @@ def test_writing_a_block_takes_memory_for_that_block_only():
 
 def test_auto_picks_the_native_backend_for_float32_on_cpu_when_the_kernels_load():
     want = "native" if kernels.enabled() else "torch"
-    assert select_attention_backend("auto", torch.device("cpu"), torch.float32) == want
-    assert select_attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
-    select_attention_backend("torch")
+    assert choose_attention_backend("auto", torch.device("cpu"), torch.float32) == want
+    assert choose_attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert choose_attention_backend("torch") == "torch"
 
 
 def test_native_attention_with_bfloat16_activations_is_a_config_error():
     with pytest.raises(ConfigError, match="float32 activations on the CPU"):
-        select_attention_backend("native", torch.device("cpu"), torch.bfloat16)
+        choose_attention_backend("native", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match="unknown attention backend"):
-        select_attention_backend("flash")
+        choose_attention_backend("flash")

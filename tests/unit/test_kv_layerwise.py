@@ -15,6 +15,7 @@ from tokenloom.kv_transfer.blocks import block_runs, layer_views, layout
 from tokenloom.kv_transfer.puller import KVPuller
 from tokenloom.kv_transfer.transport import LAYER, PullReply, PullRequest
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.worker.runner import ModelRunner
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 8, 4, 2, 8
 
@@ -48,14 +49,16 @@ class Recorder(WorkerConnector):
 
 def test_each_layer_is_loaded_before_it_runs_and_saved_right_after_it_wrote_its_kv(make_core):
     core = make_core("llama")
-    worker = core.executor.worker
-    recorder = Recorder(worker.runner.kv_caches)
-    hook = ConnectorHook(recorder)
+    engine_runner = core.executor.worker.runner
+    recorder = Recorder(engine_runner.kv_caches)
+    # A runner built with the connector (its hooks are the runner's own, from construction on).
+    runner = ModelRunner(engine_runner.model, engine_runner.kv_caches, engine_runner.block_size, engine_runner.device,
+                         engine_runner.attention, kv_connector=ConnectorHook(recorder))
     core.add_request(make_request("r", random_prompts(1, [9], 512, seed=1)[0], greedy_params(1)))
     step = core.scheduler.schedule()
     step.kv_connector = KVConnectorMetadata(poll=True)
     recorder.block_ids = core.scheduler.requests["r"].block_ids
-    hook.execute(step, worker.runner)
+    runner.execute(step)
     n = len(recorder.caches)
     none, upto = [False] * n, lambda i: [j < i for j in range(n)]
     expected = [("start", none)]
@@ -64,7 +67,9 @@ def test_each_layer_is_loaded_before_it_runs_and_saved_right_after_it_wrote_its_
         expected.append(("save", layer, upto(layer + 1)))  # layer i's KV written, layer i+1's not yet
     expected.append(("saved", [True] * n))
     assert recorder.events == expected
-    assert worker.runner.kv_layers is None  # the next step runs the plain caches again
+    step.kv_connector = None  # a step without connector work runs the plain caches: no hook is called
+    runner.execute(step)
+    assert recorder.events == expected
 
 
 def _caches(seed: int | None) -> list[torch.Tensor]:

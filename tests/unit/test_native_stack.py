@@ -193,11 +193,11 @@ def test_the_step_profiler_keeps_the_layer_by_layer_forward():
 
 def test_the_engine_runs_the_embedded_model_through_it(make_llm, quantized):
     llm = make_llm()
-    assert llm.engine.executor.worker.runner.native_stack is not None
+    assert llm.engine.executor.worker.runner.forward.kind == "native_stack"
 
 
 def test_enforce_eager_keeps_the_layer_by_layer_forward(make_llm):
-    assert make_llm(enforce_eager=True).engine.executor.worker.runner.native_stack is None
+    assert make_llm(enforce_eager=True).engine.executor.worker.runner.forward.kind == "eager"
 
 
 def test_greedy_output_is_the_same_with_and_without_it(make_llm):
@@ -208,7 +208,7 @@ def test_greedy_output_is_the_same_with_and_without_it(make_llm):
 
 
 def test_a_dense_model_takes_the_eager_forward(make_core):
-    assert make_core("llama").executor.worker.runner.native_stack is None
+    assert make_core("llama").executor.worker.runner.forward.kind == "eager"
 
 
 def _opcheck(model, prompts) -> None:
@@ -290,7 +290,7 @@ def test_a_model_with_dense_weights_says_so(kind, native_kernels, make_core):
     runner = make_core(kind).executor.worker.runner
     reason = runner.model.native_stack_spec()
     assert reason == "layer 0: weights not in the quantized panels (dense or unquantized)"
-    assert runner.native_stack is None
+    assert runner.forward.kind == "eager"
 
 
 class _Described:

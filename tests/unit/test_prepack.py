@@ -10,7 +10,7 @@ from tokenloom.model.layers.linear import Linear, mixed_linear
 from tokenloom.model.loader import load_model
 from tokenloom.model.matmul_dtype import cast_matmul_weights
 from tokenloom.model.prepack import can_prepack, pack_weight, prepack_linear_weights
-from tokenloom.worker.setup import build_worker
+from tokenloom.worker.worker import build_worker
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu")), reason="this torch build has no oneDNN")
 

@@ -152,7 +152,7 @@ def decode_step(blocks: int, batch: int, rounds: int) -> dict:
 def hook_overhead(batch: int, rounds: int) -> dict:
     """A decode step of an engine without a connector (the plain cache list) against the same step walked
     layer by layer through `LayerwiseCaches` with hooks that do nothing: the per-layer machinery's own cost,
-    an upper bound on what an engine without a connector could pay (it only reads `runner.kv_layers`)."""
+    an upper bound on what an engine without a connector could pay (the runner's step alone, both ways)."""
     from tokenloom.config import EngineConfig
     from tokenloom.core.kv_connector import WorkerConnector
     from tokenloom.core.messages import EngineCoreRequest
@@ -173,11 +173,13 @@ def hook_overhead(batch: int, rounds: int) -> dict:
         plain, layered = [], []
         for _ in range(rounds):
             for times, hooks in ((plain, False), (layered, True)):
-                runner.kv_layers = LayerwiseCaches(runner.kv_caches, WorkerConnector()) if hooks else None
+                step = core.scheduler.schedule()  # the runner's part of core.step(), timed alone
                 t0 = time.perf_counter()
-                core.step()
+                runner.update_states(step)
+                layers = LayerwiseCaches(runner.kv_caches, WorkerConnector()) if hooks else None
+                out = runner.execute_model(step, layers)
                 times.append(time.perf_counter() - t0)
-        runner.kv_layers = None
+                core.update(step, out)
         return {"batch": batch, "rounds": rounds, "plain_step_ms": 1e3 * statistics.median(plain),
                 "layerwise_step_ms": 1e3 * statistics.median(layered),
                 "ratio": statistics.median(layered) / statistics.median(plain)}

@@ -56,7 +56,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], scratch_block: int, sizes: list[int],
                  max_blocks_per_seq: int):
-        import flashinfer
+        import flashinfer  # lazy: optional CUDA dependency
         self.model = model
         self.kv_caches = kv_caches
         self.scratch_block = scratch_block

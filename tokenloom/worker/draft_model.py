@@ -33,12 +33,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenloom.config import ConfigError
-from tokenloom.core.contract import SchedulerOutput
+from tokenloom.core.contract import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.model.arch_config import ArchConfig
-from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, attention_backend
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.sampler import Sampler, SamplingRow
 from tokenloom.spec_decode.proposer import WorkerProposer
+from tokenloom.worker.batch_layout import BatchLayout, SequenceChunk
 from tokenloom.worker.request_state import CHILD_SEED_STRIDE, RequestState
+from tokenloom.worker.sampling_plan import sampling_row, seeded_generator
+from tokenloom.worker.step_states import follow_step
 
 # A seeded request's draft generator starts at seed + DRAFT_SEED_OFFSET (+ the child stride), so the draft
 # never draws the numbers the target's verification draws.
@@ -71,20 +74,13 @@ class DraftModelProposer(WorkerProposer):
 
     # ---- following the target's sequences --------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
-        for src, dst in step.block_copies:
-            for cache in self.kv_caches:
-                cache[:, dst].copy_(cache[:, src])
-        for key in step.finished_keys:
-            self.states.pop(key, None)
-        for new in step.new_requests:
-            self.states[new.key] = DraftState(new.num_computed_tokens, list(new.block_ids),
-                                              _generator(new.sampling_params.seed, 0, self.device))
-        for delta in step.cached_requests:
-            st = self.states.get(delta.key)
-            if st is not None and delta.replace_block_ids:
-                # A new table (preemption; released draft blocks): only what the target has computed through
-                # it (after a preemption, the prefix-cache hit it resumes from) is surely the draft's too.
-                st.computed = min(st.computed, delta.num_computed_tokens)
+        """The runner's rule (step_states.follow_step) over the draft's caches and states; a fork's sibling
+        has none until its first proposal."""
+        follow_step(step, self.kv_caches, self.states, self._new_state, _follow_delta, every_sequence_known=False)
+
+    def _new_state(self, new: NewRequestData) -> DraftState:
+        return DraftState(new.num_computed_tokens, list(new.block_ids), _generator(new.sampling_params.seed, 0,
+                                                                                   self.device))
 
     def _state(self, r: RequestState) -> DraftState:
         st = self.states.get(r.key)
@@ -156,9 +152,7 @@ class DraftModelProposer(WorkerProposer):
         return None if st.probs is None else st.probs[:len(drafts)]
 
     def _sampling_row(self, r: RequestState, st: DraftState, tokens: list[int], drafts: list[int]) -> SamplingRow:
-        return SamplingRow(replace(r.params, logprobs=None), r.prompt_token_ids,
-                           tokens[r.num_prompt_tokens:] + drafts, st.generator, r.bad_words_token_ids,
-                           r.eos_token_ids)
+        return sampling_row(r, tokens[r.num_prompt_tokens:] + drafts, st.generator, replace(r.params, logprobs=None))
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]):
         """One token per row from the processed distribution; for random rows also that distribution."""
@@ -181,34 +175,25 @@ class DraftModelProposer(WorkerProposer):
 
     def _forward(self, tables: list[list[int]], spans: list[tuple[list[int], int]]) -> torch.Tensor:
         """The draft's logits after the last token of each span (tokens, start position), one flat batch."""
-        bs = self.block_size
-        order = sorted(range(len(spans)), key=lambda i: (len(spans[i][0]) > 1, spans[i][1]))
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        layout: list[ScheduledSpan] = []
-        last = [0] * len(spans)
-        for i in order:
-            tokens, start = spans[i]
-            table = tables[i]
-            layout.append(ScheduledSpan(len(ids), start, len(tokens), table))
-            ids.extend(tokens)
-            pos.extend(range(start, start + len(tokens)))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(tokens)))
-            last[i] = len(ids) - 1
-        dev = self.device
-        meta = self.attention.build_metadata(layout, torch.tensor(slots, dtype=torch.long, device=dev))
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), self.kv_caches, meta)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+        layout = self.layout(tables, spans)
+        hidden = self.model(*layout.tensors(self.device), self.kv_caches, layout.metadata(self.attention, self.device))
+        return self.model.compute_logits(hidden[torch.tensor(layout.last_rows(), device=self.device)])
+
+    def layout(self, tables: list[list[int]], spans: list[tuple[list[int], int]]) -> BatchLayout:
+        """The flat batch of `spans` (tokens, start position) through `tables`: the runner's layout rule."""
+        return BatchLayout.build([SequenceChunk(tokens, start, table) for (tokens, start), table in zip(spans, tables)],
+                                 self.block_size)
+
+
+def _follow_delta(st: DraftState, delta: CachedRequestData) -> None:
+    if delta.replace_block_ids:
+        # A new table (preemption; released draft blocks): only what the target has computed through it
+        # (after a preemption, the prefix-cache hit it resumes from) is surely the draft's too.
+        st.computed = min(st.computed, delta.num_computed_tokens)
 
 
 def _generator(seed: int | None, child: int, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed((seed + DRAFT_SEED_OFFSET + CHILD_SEED_STRIDE * child) % (2 ** 63))
-    return g
+    return seeded_generator(seed, DRAFT_SEED_OFFSET + CHILD_SEED_STRIDE * child, device)
 
 
 def check_draft_vocabulary(draft: ArchConfig, target: ArchConfig, path: str) -> None:
@@ -218,9 +203,10 @@ def check_draft_vocabulary(draft: ArchConfig, target: ArchConfig, path: str) -> 
 
 
 def build_drafter(draft: torch.nn.Module, arch: ArchConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                  device: torch.device, num_tokens: int, max_model_len: int) -> DraftModelProposer:
-    """The draft's KV cache (one block per target block, see the module docstring) and its proposer."""
-    attention = attention_backend()
+                  device: torch.device, attention: AttentionBackend, num_tokens: int,
+                  max_model_len: int) -> DraftModelProposer:
+    """The draft's KV cache (one block per target block, see the module docstring) and its proposer;
+    `attention`: an unbound instance of the engine's backend (the target's is bound to the target's caches)."""
     shape = attention.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
     attention.bind(kv_caches[0])

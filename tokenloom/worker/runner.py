@@ -3,25 +3,32 @@
 It keeps each sequence's device-side state between steps (`RequestState`), so the scheduler
 sends deltas only. Every tensor-parallel rank runs the same forward; the logits are gathered
 to rank 0, which alone samples and answers.
+
+It is built once with everything it uses, and nothing is set on it afterwards: the attention
+backend instance (its metadata builder, bound to these caches), the forward path
+(`forward_path.py`), the drafter, the KV connector's hooks, the pooling config. The flat batch
+comes from `batch_layout.py` and the draws from `sampling_plan.py`, which the draft model shares.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from tokenloom.core.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
 from tokenloom.distributed.parallel_state import tp_group
-from tokenloom.model.host_copy import tensor_on
-from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
+from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.pooler import pool
 from tokenloom.model.pooling_config import PoolingConfig
-from tokenloom.model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
+from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
+from tokenloom.worker.forward_path import EAGER, ForwardPath
 from tokenloom.worker.request_state import RequestState
+from tokenloom.worker.sampling_plan import SamplingPlan
+from tokenloom.worker.step_states import follow_step
 
 
 class TokenOutOfVocabulary(IndexError):
@@ -32,23 +39,25 @@ class TokenOutOfVocabulary(IndexError):
 
 
 class ModelRunner:
-    pooling: PoolingConfig | None = None  # set by the worker's setup on an embedding engine (model/pooler.py)
-    # For one step, the caches with a KV connector's per-layer hooks (tokenloom.kv_transfer.layerwise); else None.
-    kv_layers = None
-
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, attention: AttentionBackend):
+                 device: torch.device, attention: AttentionBackend, forward: ForwardPath = EAGER,
+                 drafter: WorkerProposer | None = None, pooling: PoolingConfig | None = None,
+                 kv_connector: ConnectorHook | None = None):
+        """`attention` is bound to `kv_caches` already; `drafter`: a proposer that runs here (draft model);
+        `pooling`: an embedding engine's (model/pooler.py); `kv_connector`: a KV connector's worker half
+        (tokenloom.kv_transfer), whose hooks run around each step's forward."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.attention = attention
+        self.forward = forward
+        self.drafter = drafter
+        self.pooling = pooling
+        self.kv_connector = kv_connector
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
-        self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager (tokenloom.worker.cuda_graphs)
-        self.native_stack = None  # NativeStack on CPU unless --enforce-eager (tokenloom.model.native_stack)
-        self.drafter: WorkerProposer | None = None  # a proposer that runs here (draft model), set by the setup
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
@@ -58,30 +67,41 @@ class ModelRunner:
         self.last_step_id = step.step_id
         if self.drafter is not None:
             self.drafter.update_states(step)
-        for src, dst in step.block_copies:
-            for cache in self.kv_caches:
-                cache[:, dst].copy_(cache[:, src])
-        for key in step.finished_keys:
-            self.requests.pop(key, None)
-        for new in step.new_requests:
-            self.requests[new.key] = RequestState.from_new(new, self.device)
-        for delta in step.cached_requests:
-            self.requests[delta.key].apply(delta)
+        follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
+                    RequestState.apply)
 
     # ---- one step -------------------------------------------------------------
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The worker's entry: the step's deltas, then its forward, with the KV connector's hooks around it
+        (loads begun before, the layers walked with its per-layer hooks, saves waited for after)."""
+        hook = self.kv_connector
+        if hook is None:
+            self.update_states(step)
+            return self.execute_model(step)
+        first = hook.begin(step)
+        self.update_states(step)
+        layers = hook.layer_caches(self.kv_caches) if first else None
+        try:
+            out = self.execute_model(step, layers)
+        finally:
+            hook.finish(step, first, layers, self.requests)
+        return hook.attach(out)
+
     @torch.inference_mode()
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's samples on the first tensor-parallel rank; None on the others."""
+    def execute_model(self, step: SchedulerOutput, kv_layers=None) -> ModelRunnerOutput | None:
+        """The step's samples on the first tensor-parallel rank; None on the others. `kv_layers`: for this step,
+        the caches with a KV connector's per-layer hooks (tokenloom.kv_transfer.layerwise)."""
         if not step.num_scheduled_tokens:
             return ModelRunnerOutput() if tp_group().is_first else None
         scheduled = [(self.requests[k], n) for k, n in step.num_scheduled_tokens.items()]
-        # Decodes first, shortest context first, so each attention group pads only to its own longest.
-        scheduled.sort(key=lambda item: (item[1] > 1, item[0].num_computed_tokens))
         with PROFILER.section("prepare_inputs"):
-            ids, pos, slots, spans, logit_rows, pool_spans = self._prepare(scheduled, step.spec_token_ids)
+            layout = step_layout(scheduled, step.spec_token_ids, self.block_size)
+            self._check_vocabulary(layout.batch.input_ids)
+            logit_rows = layout.logit_rows
         with PROFILER.section("forward"):
-            hidden = self._forward(ids, pos, slots, spans)
-            pooled = {key: pool(hidden[first:first + n], self.pooling).tolist() for key, first, n in pool_spans}
+            hidden = self._forward(layout.batch, kv_layers)
+            pooled = {key: pool(hidden[first:first + n], self.pooling).tolist()
+                      for key, first, n in layout.pool_spans}
             if not logit_rows:
                 return ModelRunnerOutput(pooled=pooled) if tp_group().is_first else None
             with PROFILER.section("matmul"):
@@ -106,55 +126,24 @@ class ModelRunner:
                 for child in r.fork():
                     self.requests[child.key] = child
 
-    def _prepare(self, scheduled: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        spans: list[ScheduledSpan] = []
-        logit_rows: list[tuple[RequestState, int, bool]] = []  # (sequence, flat row, samples?)
-        pool_spans: list[tuple[str, int, int]] = []  # embedding requests: (key, first row, rows), whole prompts
-        for r, n in scheduled:
-            start = r.num_computed_tokens
-            end = start + n
-            first = len(ids)
-            drafts = spec_token_ids.get(r.key)
-            if drafts:  # a verify span: the last token and the drafts, causal like a short prefill chunk
-                ids.extend(r.token_ids[start:] + drafts)
-            else:
-                ids.extend(r.token_ids[start:end])
-            pos.extend(range(start, end))
-            table = r.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            spans.append(ScheduledSpan(first, start, n, table))
-            if r.params.embed:  # the scheduler gives it its whole prompt in one step
-                pool_spans.append((r.key, first, n))
-                continue
-            if r.params.prompt_logprobs is not None and r.num_output_tokens == 0 and start < r.num_prompt_tokens - 1:
-                upto = min(end, r.num_prompt_tokens - 1)
-                logit_rows.extend((r, first + p - start, False) for p in range(start, upto))
-            if drafts:  # sample after the last token and after each draft
-                logit_rows.extend((r, first + j, True) for j in range(n))
-            elif end == len(r.token_ids):  # every known token's KV is computed: sample the next one
-                logit_rows.append((r, len(ids) - 1, True))
+    def _check_vocabulary(self, ids: list[int]) -> None:
         vocab_size = self.model.config.vocab_size
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise TokenOutOfVocabulary(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
-        return ids, pos, slots, spans, logit_rows, pool_spans
 
-    def _forward(self, ids: list[int], pos: list[int], slots: list[int], spans: list[ScheduledSpan]) -> torch.Tensor:
-        """Hidden states of the flat batch: a captured CUDA graph for a decode-only step that fits one, the
-        native decoder stack on the CPU, else the layer-by-layer forward."""
-        if self.graphs is not None and self.kv_layers is None and self.graphs.can_run(spans):
-            return self.graphs.run(ids, pos, slots, spans)
-        dev = self.device
-        meta = self.attention.build_metadata(spans, tensor_on(slots, torch.long, dev))
-        ids_t, pos_t = tensor_on(ids, torch.long, dev), tensor_on(pos, torch.long, dev)
-        if self.native_stack is not None and self.kv_layers is None and self.native_stack.can_run():
-            return self.native_stack.run(ids_t, pos_t, self.kv_caches, meta)
-        caches = self.kv_caches if self.kv_layers is None else self.kv_layers
-        return self.model(ids_t, pos_t, caches, meta)
+    def _forward(self, batch: BatchLayout, kv_layers) -> torch.Tensor:
+        """Hidden states of the flat batch along the forward path: a captured CUDA graph for a decode-only
+        step that fits one, the native decoder stack on the CPU, else the layer-by-layer forward (always,
+        with the connector's per-layer hooks)."""
+        graphs, stack = self.forward.graphs, self.forward.native_stack
+        if graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
+            return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.spans)
+        meta = batch.metadata(self.attention, self.device)
+        ids_t, pos_t = batch.tensors(self.device)
+        if stack is not None and kv_layers is None and stack.can_run():
+            return stack.run(ids_t, pos_t, self.kv_caches, meta)
+        return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""
@@ -162,57 +151,22 @@ class ModelRunner:
             return t
         return t[torch.tensor(rows, device=self.device)]
 
-    def _sample(self, logit_rows, logits: torch.Tensor, step: SchedulerOutput) -> ModelRunnerOutput:
+    def _sample(self, logit_rows: list[LogitRow], logits: torch.Tensor, step: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
-        bitmasks, spec = step.grammar_bitmask, step.spec_token_ids
-        prompt_rows: dict[str, tuple[RequestState, list[int]]] = {}
-        sample_idx: list[int] = []
-        rows: list[SamplingRow] = []
-        owners: list[RequestState] = []
-        masks: list[bytes | None] = []
-        positions: dict[str, int] = {}  # spec keys: rows seen so far
-        sampled_drafts: dict[str, list[tuple[int, SamplingRow, bytes | None]]] = {}  # verified by rejection
-        for i, (r, _, samples) in enumerate(logit_rows):
-            if not samples:
-                prompt_rows.setdefault(r.key, (r, []))[1].append(i)
-                continue
-            params = replace(r.params, logprobs=0) if r.needs_logprob and r.params.logprobs is None else r.params
-            drafts = spec.get(r.key)
-            if drafts:
-                # Position j samples as the plain decode would after drafts[:j] (penalties, min_tokens, bad words).
-                spec_masks = step.spec_grammar_bitmask.get(r.key)
-                if self.drafter is not None and not params.is_greedy:  # sampled drafts: the rejection sampler
-                    verify = sampled_drafts.setdefault(r.key, [])
-                    j = len(verify)
-                    verify.append((i, SamplingRow(params, r.prompt_token_ids, r.output_token_ids + drafts[:j],
-                                                  r.generators[0], r.bad_words_token_ids, r.eos_token_ids),
-                                   spec_masks[j] if spec_masks else None))
-                    continue
-                j = positions.get(r.key, 0)
-                positions[r.key] = j + 1
-                sample_idx.append(i)
-                rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids + drafts[:j], r.generators[0],
-                                        r.bad_words_token_ids, r.eos_token_ids))
-                owners.append(r)
-                masks.append(spec_masks[j] if spec_masks else None)
-                continue
-            for g in r.generators:
-                sample_idx.append(i)
-                rows.append(SamplingRow(params, r.prompt_token_ids, r.output_token_ids, g,
-                                        r.bad_words_token_ids, r.eos_token_ids))
-                owners.append(r)
-                masks.append(bitmasks.get(r.key))
-        for r, idx in prompt_rows.values():
+        spec = step.spec_token_ids
+        plan = SamplingPlan.for_step(logit_rows, step, drafts_sampled=self.drafter is not None)
+        sample_idx, rows, owners, masks, positions = plan.sample_idx, plan.rows, plan.owners, plan.masks, plan.positions
+        for r, idx in plan.prompt_rows.values():
             start = r.num_computed_tokens
             targets = torch.tensor(r.token_ids[start + 1:start + 1 + len(idx)], device=self.device)
             k = r.params.prompt_logprobs
             out.prompt_logprobs[r.key] = _pack(*compute_prompt_logprobs(logits[idx], targets, k), k)
-        for key, verify in sampled_drafts.items():
+        for key, verify in plan.sampled_drafts.items():
             r = self.requests[key]
             drafts = spec[key]
             tokens, lps = verify_sampled_drafts(self.sampler, logits, verify, drafts,
                                                 self.drafter.draft_probs(key, drafts), r.generators[0])
-            k = verify[0][1].params.logprobs
+            k = verify[0].row.params.logprobs
             packed_lps = _pack(lps.logprob_token_ids, lps.logprobs, lps.ranks, k) if lps is not None else None
             out.sampled[key] = [SampledSequence(tokens, packed_lps)]
         if not rows:

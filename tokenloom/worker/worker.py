@@ -1,17 +1,38 @@
 """A worker: one rank's model, KV cache and runner. The executors drive it; it never decides a
-request's fate, only computes and (on rank 0) samples."""
+request's fate, only computes and (on rank 0) samples.
+
+Start-up runs the phases of `phases.py` by name, in the order of `WORKER_PHASES`, each timed and
+logged: the in-process executor calls `run_phase` for each (as vLLM's executor drives its workers
+through named phases); a worker process (`worker_proc.py`, the mp executor) runs them all in `load`,
+since each rank's phases only meet the other ranks inside collectives they all run (the KV cache's
+size is the smallest rank's)."""
 from __future__ import annotations
 
 import logging
+import time
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.distributed.expert_parallel import init_expert_parallel
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
-from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.rank_reports import group_info
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
-from tokenloom.worker.setup import _name, build_worker, pick_device
+from tokenloom.worker.kv_cache import KVCache, size_kv_cache
+from tokenloom.worker.phases import (
+    WORKER_PHASES,
+    DevicePlan,
+    LoadedWeights,
+    build_runner,
+    dtype_name,
+    init_device,
+    load_weights,
+    measure_memory,
+    pick_device,
+    trained_length,
+)
+from tokenloom.worker.runner import ModelRunner
+from tokenloom.worker.setup import WorkerSetup
+from tokenloom.worker.warm_up import warm_up_runner
 from tokenloom.worker.worker_info import WorkerInfo
 
 logger = logging.getLogger("tokenloom.engine")
@@ -19,46 +40,105 @@ logger = logging.getLogger("tokenloom.engine")
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, master_port: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, join_group: bool = True):
+        """`join_group`: the device phase joins the tensor- and expert-parallel groups (False: the caller has,
+        or runs one rank alone)."""
         self.config = config
         self.rank = rank
         self.master_port = master_port
         self.progress = progress and rank == 0
-        self.setup = None
-        self.kv_hook: ConnectorHook | None = None  # a KV connector's worker half (tokenloom.kv_transfer)
+        self.join_group = join_group
+        # Each phase's result, in phase order.
+        self.plan: DevicePlan | None = None
+        self.weights: LoadedWeights | None = None
+        self.kv_budget_bytes: int | None = None  # None: --num-blocks fixed the KV cache's size
+        self.kv: KVCache | None = None
+        self.runner: ModelRunner | None = None
+        self.setup: WorkerSetup | None = None
+        self.phase_seconds: dict[str, float] = {}
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+    def run_phase(self, name: str) -> None:
+        """One start-up phase, after the ones before it in WORKER_PHASES."""
+        if name not in WORKER_PHASES:
+            raise ValueError(f"unknown worker phase {name!r} (phases: {', '.join(WORKER_PHASES)})")
+        start = time.perf_counter()
+        getattr(self, f"_{name}")()
+        self.phase_seconds[name] = seconds = time.perf_counter() - start
+        logger.debug("rank %d: start-up phase %s took %.2f s", self.rank, name, seconds)
 
     def load(self) -> WorkerInfo:
-        parallel = self.config.parallel
-        init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
-                             pick_device(self.config.model.device))
-        init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
-        self.setup = setup = build_worker(self.config, progress=self.progress)
+        """Every start-up phase in order; rank 0's description for the EngineCore."""
+        for name in WORKER_PHASES:
+            self.run_phase(name)
+        return self.info()
+
+    def _init_device(self) -> None:
+        if self.join_group:
+            parallel = self.config.parallel
+            init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
+                                 pick_device(self.config.model.device))
+            init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
+        self.plan = init_device(self.config)
+
+    def _load_model(self) -> None:
+        self.weights = load_weights(self.config, self.plan, self.progress)
+
+    def _measure_memory(self) -> None:
+        self.kv_budget_bytes = measure_memory(self.config, self.plan, self.weights)
+
+    def _allocate_kv_cache(self) -> None:
+        plan, weights = self.plan, self.weights
+        draft = weights.draft.arch if weights.draft is not None else None
+        self.kv = size_kv_cache(self.config, weights.target.arch, plan.attention, plan.kv_dtype, plan.device,
+                                self.kv_budget_bytes, draft, plan.cuda_graphs,
+                                weights.is_encoder, trained_length(weights))
+
+    def _build_runner(self) -> None:
+        self.runner = build_runner(self.config, self.plan, self.weights, self.kv)
+
+    def _warm_up(self) -> None:
+        seconds = warm_up_runner(self.runner, self.progress)
+        kv, plan = self.kv, self.plan
+        self.setup = WorkerSetup(self.weights.target, self.runner, plan.device, plan.dtype, kv.num_blocks,
+                                 kv.block_size, kv.max_model_len, seconds)
+        self.setup.log()
+
+    def info(self) -> WorkerInfo:
+        setup = self.setup
         arch = setup.arch
-        connector = make_worker_connector(self.config, setup.loaded.model, setup.runner.kv_caches, setup.block_size,
-                                          tp_group().rank, tp_group().size)
-        self.kv_hook = ConnectorHook(connector) if connector is not None else None
+        hook = self.kv_hook
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
                           vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
-                          eos_token_ids=list(arch.eos_token_ids), device=str(setup.device), dtype=_name(setup.dtype),
-                          kv_cache_dtype=_name(setup.runner.kv_caches[0].dtype), num_blocks=setup.num_blocks,
-                          block_size=setup.block_size, max_model_len=setup.max_model_len,
-                          tensor_parallel_size=tp_group().size, summary=setup.summary(),
-                          pooling=setup.runner.pooling, warmup_decode_seconds=setup.warmup_decode_seconds,
+                          eos_token_ids=list(arch.eos_token_ids), device=str(setup.device),
+                          dtype=dtype_name(setup.dtype), kv_cache_dtype=dtype_name(setup.runner.kv_caches[0].dtype),
+                          num_blocks=setup.num_blocks, block_size=setup.block_size,
+                          max_model_len=setup.max_model_len, tensor_parallel_size=tp_group().size,
+                          summary=setup.summary(), pooling=setup.runner.pooling,
+                          warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window,
-                          kv_connector=group_info(connector) if connector is not None else None)
+                          kv_connector=group_info(hook.connector) if hook is not None else None)
 
+    # ---- steps ----------------------------------------------------------------------------------------------
     @property
-    def runner(self):
-        return self.setup.runner
+    def kv_hook(self) -> ConnectorHook | None:
+        """A KV connector's worker half (tokenloom.kv_transfer), owned by the runner."""
+        return self.runner.kv_connector if self.runner is not None else None
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        if self.kv_hook is None:
-            self.runner.update_states(step)
-            return self.runner.execute_model(step)
-        return self.kv_hook.execute(step, self.runner)  # loads, saves and publications around the forward
+        return self.runner.execute(step)
 
     def shutdown(self) -> None:
         if self.kv_hook is not None:
             self.kv_hook.connector.close()
-        destroy_tensor_parallel()
-        init_expert_parallel(False)
+        if self.join_group:
+            destroy_tensor_parallel()
+            init_expert_parallel(False)
+
+
+def build_worker(config: EngineConfig, progress: bool = True) -> WorkerSetup:
+    """This rank's model, KV cache and runner, warmed up, outside an executor (one rank, or a group the caller
+    has joined)."""
+    worker = Worker(config, progress=progress, join_group=False)
+    worker.load()
+    return worker.setup

@@ -3,7 +3,9 @@
 The runner hands a backend the step's sequences in flat-batch order (`ScheduledSpan`: which
 rows, which positions, which blocks) and gets back whatever the backend's kernels read; the
 model never looks inside. `torch` is the reference backend (plain torch, CPU and CUDA);
-native CPU kernels and FlashInfer register beside it.
+native CPU kernels and FlashInfer sit beside it. The worker chooses one from the config
+(`attention_select.py`) and hands that instance to the model's constructor (its layers'
+impls) and to the runner (the step's metadata).
 """
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom import kernels
-from tokenloom.config import ConfigError
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk, TorchAttention, decode_group_size
 
 
@@ -35,6 +35,10 @@ class AttentionBackend:
 
     def bind(self, kv_cache: torch.Tensor) -> None:
         """Called once the KV caches exist (layer 0's given), before the first build_metadata."""
+
+    def another(self) -> AttentionBackend:
+        """A fresh instance of this backend, to bind to another set of KV caches (a draft model's)."""
+        return type(self)()
 
     def make_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                   sliding_window: int | None = None):
@@ -101,57 +105,3 @@ class TorchAttentionBackend(AttentionBackend):
         if self._workspace is None or self._workspace.numel() < 2 * num_blocks * block_elems:
             self._workspace = torch.empty(2 * num_blocks * block_elems, dtype=cache.dtype, device=cache.device)
         return self._workspace[: 2 * num_blocks * block_elems].view(2, num_blocks, block_elems)
-
-
-def _flashinfer_backend():
-    from tokenloom.model.layers.attention_flashinfer import FlashInferBackend
-    return FlashInferBackend()
-
-
-_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend, "flashinfer": _flashinfer_backend}
-_SELECTED = "torch"
-
-
-def select_attention_backend(name: str, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                             kv_dtype: torch.dtype | None = None, windowed: bool = False) -> str:
-    """Choose the backend whose metadata the runner builds (the worker calls this before loading). "auto": on
-    CUDA, FlashInfer when it imports, the KV cache is float16/bfloat16 and no layer attends within a sliding
-    window (not wired to FlashInfer yet), else torch; on CPU, the native kernels for float32 activations when
-    they load, else torch. Returns the choice."""
-    global _SELECTED
-    on_cpu = device is None or device.type == "cpu"
-    if name == "auto":
-        if not on_cpu:
-            from tokenloom.model.layers.attention_flashinfer import supports
-            name = "flashinfer" if supports(device, kv_dtype or dtype) and not windowed else "torch"
-        else:
-            name = "native" if dtype == torch.float32 and kernels.enabled() else "torch"
-    if name not in _BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r} (known: auto, {', '.join(sorted(_BACKENDS))})")
-    if name == "native" and not (on_cpu and dtype == torch.float32):
-        raise ConfigError("--attention-backend native runs float32 activations on the CPU only; use torch")
-    _SELECTED = name
-    return name
-
-
-def selected_attention_backend() -> AttentionBackend:
-    """A new instance of the selected backend: the runner's metadata builder."""
-    return _BACKENDS[_SELECTED]()
-
-
-def attention_backend() -> AttentionBackend:
-    """The backend that makes the model's per-layer attention impls. FlashInfer's own when it is selected;
-    otherwise, with the kernels loaded, the native one whatever is selected: its impls run whichever metadata
-    they are given (native, or the torch backend's through the torch reference), so one set of loaded weights
-    serves engines on either backend."""
-    if _SELECTED == "flashinfer":
-        return _BACKENDS["flashinfer"]()
-    return _BACKENDS["native" if kernels.enabled() else "torch"]()
-
-
-def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-from tokenloom.model.layers import attention_native  # noqa: E402,F401  registers "native" (imports this module)

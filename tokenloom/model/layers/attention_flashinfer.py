@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.config import ConfigError
+from tokenloom.model.layers.attention_backend import AttentionBackend
 
 # FlashInfer's float workspace for split-KV partial results; 128 MiB is what its own examples and vLLM use.
 WORKSPACE_BYTES = 128 * 2 ** 20
@@ -49,7 +50,7 @@ def paged_kv_layout(spans, block_size: int) -> PagedLayout:
 
 def flashinfer_available() -> bool:
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer  # noqa: F401  # lazy: optional CUDA dependency, probed
     except Exception:  # ImportError, or a CUDA/toolkit mismatch raised at import
         return False
     return torch.cuda.is_available()
@@ -101,14 +102,14 @@ class FlashInferAttention:
         return out.view(q.shape[0], -1)
 
 
-class FlashInferBackend:
-    """Registered as `flashinfer`; plans each step once, for every layer."""
+class FlashInferBackend(AttentionBackend):
+    """Chosen as `flashinfer`; plans each step once, for every layer."""
 
     name = "flashinfer"
 
     def __init__(self):
         try:
-            import flashinfer
+            import flashinfer  # lazy: optional CUDA dependency
         except Exception as e:
             raise ConfigError(f"attention backend 'flashinfer' needs the flashinfer-python package ({e})") from e
         self._flashinfer = flashinfer

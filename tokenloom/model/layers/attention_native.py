@@ -21,7 +21,7 @@ import torch
 from tokenloom import kernels
 from tokenloom.config import ConfigError
 from tokenloom.model.layers.attention import AttentionMetadata, TorchAttention
-from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan, register_attention_backend
+from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.profiler import PROFILER
 
 
@@ -71,7 +71,6 @@ class NativeAttention(TorchAttention):
             return out
 
 
-@register_attention_backend
 class NativeAttentionBackend(AttentionBackend):
     """The torch backend's KV layout, attended by the native CPU kernels (float32 activations)."""
 

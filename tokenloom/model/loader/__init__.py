@@ -12,6 +12,8 @@ from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
+from tokenloom.model.layers.attention_backend import AttentionBackend
+from tokenloom.model.layers.attention_select import standalone_attention_backend
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
@@ -52,8 +54,9 @@ def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               quantized: bool | None = None) -> LoadedModel:
-    """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized)."""
+               quantized: bool | None = None, attention: AttentionBackend | None = None) -> LoadedModel:
+    """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized). `attention`:
+    the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     if quantized is None:
@@ -66,7 +69,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
     cls = model_class(arch.architecture)
     with torch.device("meta"):
-        net = cls(arch)
+        net = cls(arch, attention or standalone_attention_backend(device, dtype))
     _materialize(net, device)
     net = net.to(dtype)
     _reset_buffers(net, device)

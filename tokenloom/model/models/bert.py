@@ -16,6 +16,7 @@ from torch import nn
 from tokenloom.config import ConfigError
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.models.registry import register
 
 
@@ -133,7 +134,8 @@ class BertModel(nn.Module):
     is_encoder = True
     default_pooling = "mean"  # sentence-transformers' default for BERT checkpoints (1_Pooling/config.json)
 
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
+        """`attention` is unused: an encoder attends with one SDPA call per layer, no paged cache."""
         super().__init__()
         if tp_group().size > 1:
             raise ConfigError("BERT encoders run on one rank: use --tensor-parallel-size 1")

@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention import AttentionMetadata
-from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.mlp import GatedMLP
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.norm import GemmaRMSNorm
@@ -27,21 +27,21 @@ from tokenloom.model.models.registry import register
 class Gemma3Attention(SelfAttention):
     """Llama's attention block with Gemma's q/k norms, query scale and per-layer window."""
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int):
-        super().__init__(cfg, rotary, layer)
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attention: AttentionBackend, layer: int):
+        super().__init__(cfg, rotary, attention, layer)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.attn = attention_backend().make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim,
-                                                  scale=cfg.query_pre_attn_scalar ** -0.5,
-                                                  sliding_window=cfg.layer_window(layer))
+        self.attn = attention.make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                        scale=cfg.query_pre_attn_scalar ** -0.5,
+                                        sliding_window=cfg.layer_window(layer))
 
 
 class Gemma3DecoderLayer(InferenceModule):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attention: AttentionBackend, layer: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = Gemma3Attention(cfg, rotary, layer)
+        self.self_attn = Gemma3Attention(cfg, rotary, attention, layer)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_activation)
@@ -53,7 +53,7 @@ class Gemma3DecoderLayer(InferenceModule):
 
 
 class Gemma3Model(InferenceModule):
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
@@ -61,7 +61,8 @@ class Gemma3Model(InferenceModule):
         full = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         kinds = cfg.layer_types or ["full_attention"] * cfg.num_layers
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, local if kind == "sliding_attention" else full, i) for i, kind in enumerate(kinds))
+            Gemma3DecoderLayer(cfg, local if kind == "sliding_attention" else full, attention, i)
+            for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -74,9 +75,9 @@ class Gemma3Model(InferenceModule):
 
 @register("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ArchConfig):
-        super().__init__(cfg)  # built on the meta device by the loader: the replaced Llama decoder costs nothing
-        self.model = Gemma3Model(cfg)
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
+        super().__init__(cfg, attention)  # on the meta device (the loader): the replaced Llama decoder costs nothing
+        self.model = Gemma3Model(cfg, attention)
 
     def native_stack_spec(self) -> str:
         """Gemma's layer shape is not the stack's: (1 + weight) norms, four a layer, GeLU, scaled embeddings,

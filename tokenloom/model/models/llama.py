@@ -7,7 +7,7 @@ from torch import nn
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata
-from tokenloom.model.layers.attention_backend import attention_backend
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_native import NativeAttention
 from tokenloom.model.layers.linear import QKVParallelLinear, RowParallelLinear, mixed_linear
 from tokenloom.model.layers.mlp import GatedMLP
@@ -29,7 +29,7 @@ class SelfAttention(InferenceModule):
     """Tensor parallel: each rank attends with its share of the heads (qkv column-parallel by heads, o_proj
     row-parallel), so one all-reduce per attention block."""
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int = 0):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attention: AttentionBackend, layer: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias)
@@ -42,8 +42,8 @@ class SelfAttention(InferenceModule):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = attention_backend().make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim,
-                                                  sliding_window=cfg.layer_window(layer))
+        self.attn = attention.make_impl(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                        sliding_window=cfg.layer_window(layer))
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split_with_sizes(self.qkv_sizes, dim=-1)
@@ -57,10 +57,10 @@ class SelfAttention(InferenceModule):
 
 
 class DecoderLayer(InferenceModule):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer: int = 0):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attention: AttentionBackend, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary, layer)
+        self.self_attn = SelfAttention(cfg, rotary, attention, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -112,11 +112,11 @@ class DecoderLayer(InferenceModule):
 
 
 class DecoderModel(InferenceModule):
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -149,10 +149,10 @@ class DecoderModel(InferenceModule):
 class LlamaForCausalLM(InferenceModule):
     """Causal LM over a flat batch: forward() gives hidden states, compute_logits() the logits of chosen rows."""
 
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, attention)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         # The tied embedding as the head multiplies by it (reduced precision, prepacked); the lookup stays dense.
         self.tied_head_weight: torch.Tensor | None = None

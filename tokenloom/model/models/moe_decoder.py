@@ -12,6 +12,7 @@ import re
 import torch
 
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.fused_moe import FusedMoE
 from tokenloom.model.layers.moe import SparseMoeBlock
 from tokenloom.model.models.llama import LlamaForCausalLM
@@ -25,8 +26,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     # (pattern, replacement) applied to every checkpoint name, for families that spell it differently.
     RENAMES: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, cfg: ArchConfig):
-        super().__init__(cfg)  # built on the meta device by the loader: the replaced dense MLPs cost nothing
+    def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
+        super().__init__(cfg, attention)  # built on the meta device by the loader: the replaced dense MLPs cost nothing
         for index, layer in enumerate(self.model.layers):
             if cfg.is_sparse_layer(index):
                 layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
