@@ -21,7 +21,7 @@ from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
-from tokenloom.worker.request_state import RequestState
+from tokenloom.worker.request_state import RequestState, apply_forks
 
 
 class TokenOutOfVocabulary(IndexError):
@@ -61,6 +61,7 @@ class ModelRunner:
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
+        apply_forks(self.requests, step.forks)
         for key in step.finished_keys:
             self.requests.pop(key, None)
         for new in step.new_requests:
@@ -91,20 +92,12 @@ class ModelRunner:
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
                 out.pooled = pooled
-        forking = {r.key for r, _, samples in logit_rows if samples and r.forks}
-        self._fork_sampled(logit_rows)
+        forking = {r.key for r, _, samples in logit_rows if samples and r.forks}  # they fork next step
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
                 out.draft_token_ids = self.drafter.propose([(self.requests[key], seqs[0].token_ids)
                                                             for key, seqs in out.sampled.items() if key not in forking])
         return out
-
-    def _fork_sampled(self, logit_rows) -> None:
-        """Every rank splits a sequence that just sampled its n siblings, so all ranks know the same keys."""
-        for r, _, samples in logit_rows:
-            if samples and r.forks:
-                for child in r.fork():
-                    self.requests[child.key] = child
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
         bs = self.block_size
