@@ -46,7 +46,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # waiting for their KV to arrive in the background, by key
         self.requests: dict[str, Request] = {}  # by sequence key
         self.pending_copies: list[tuple[int, int]] = []
-        self.unannounced_forks: list[tuple[str, list[Request]]] = []  # (parent key, children): next step's forks
+        self.unannounced_forks: list[tuple[Request, list[Request]]] = []  # (parent, children): next step's forks
         self.finished_keys: list[str] = []  # sequences the workers still hold state for
         self.num_generation_tokens = 0
         self.num_steps = 0
@@ -231,11 +231,14 @@ class Scheduler:
 
     def _announce_forks(self) -> list[ForkData]:
         """The forks made since the last step, each child with its block table as of now (this step's
-        allocations included), so the step's deltas for it start from there."""
+        allocations included), so the step's deltas for it start from there. A child that already finished
+        is left out; so is a fork with nothing left of it (its parent's key is among the finished ones)."""
         forks = []
-        for parent_key, children in self.unannounced_forks:
+        for parent, children in self.unannounced_forks:
             alive = [c for c in children if not c.is_finished]
-            forks.append(ForkData(parent_key=parent_key, children=[
+            if parent.is_finished and not alive:
+                continue
+            forks.append(ForkData(parent_key=parent.key, children=[
                 ForkedSequence(key=c.key, index=c.index, block_ids=list(c.block_ids),
                                num_computed_tokens=c.num_computed_tokens) for c in alive]))
             for c in alive:
@@ -343,7 +346,7 @@ class Scheduler:
             if copy:
                 self.pending_copies.append(copy)
         parent.pending_forks = 0
-        self.unannounced_forks.append((parent.key, children))
+        self.unannounced_forks.append((parent, children))
         return children
 
     def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput,
