@@ -45,7 +45,7 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     new_token_ids: list[int]  # tokens appended since (the previous step's samples)
     new_block_ids: list[int]
     num_computed_tokens: int
-    replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption or a fork)
+    replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption, or blocks released)
 
 
 class ForkedSequence(msgspec.Struct, kw_only=True, array_like=True):

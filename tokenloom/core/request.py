@@ -55,7 +55,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts scheduled this step (speculative decoding)
         # Their grammar bitmasks, one per verified position (1 + len(drafts)), when a grammar constrains any.
         self.spec_bitmasks: list[bytes | None] | None = None
-        self.resend_blocks = False  # the block table changed wholesale (preempted, forked): send it all
+        self.resend_blocks = False  # the block table changed wholesale (preempted, blocks released): send it all
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
@@ -93,7 +93,7 @@ class Request:
         child.__dict__.update(self.__dict__)
         child.index = index
         child.key = sequence_key(self.request_id, index)
-        child.sent_to_workers = False
+        child.sent_to_workers = False  # until the fork event has told them
         child.token_ids = list(self.token_ids)
         child.block_ids = list(self.block_ids)
         child.block_hashes = list(self.block_hashes)

@@ -1,11 +1,11 @@
 """What a worker remembers about each sequence between steps (the persistent batch).
 
 Built from `NewRequestData` once, then advanced by each step's `CachedRequestData`; dropped
-when the scheduler lists the key as finished; an n > 1 sequence is split into its siblings
-by the scheduler's fork event (`apply_forks`, the one place workers fork). It holds what only the device side needs: the
-token history for inputs and penalties, the block table, and the seeded generators, which
-must live where sampling happens (rank 0) so a seeded request draws the same numbers whatever
-process it runs in.
+when the scheduler lists the key as finished. An n > 1 sequence is split into its siblings by
+the scheduler's fork event (`apply_forks`, the one place workers fork). It holds what only the
+device side needs: the token history for inputs and penalties, the block table, and the seeded
+generators, which must live where sampling happens (rank 0) so a seeded request draws the same
+numbers whatever process it runs in.
 """
 from __future__ import annotations
 
