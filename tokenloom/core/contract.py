@@ -19,7 +19,8 @@ TokenLogprobs = list[list[float]]
 
 
 def sequence_key(request_id: str, index: int) -> str:
-    """A request's sequence 0 is keyed by its id; the siblings of n > 1 by id#index."""
+    """A request's sequence 0 is keyed by its id; the siblings of n > 1 by id#index. The one place a key is
+    named: nothing reads a key back (a sequence's index travels as data, `ForkedSequence.index`)."""
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
@@ -44,7 +45,28 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     new_token_ids: list[int]  # tokens appended since (the previous step's samples)
     new_block_ids: list[int]
     num_computed_tokens: int
-    replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption or a fork)
+    replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption, or blocks released)
+
+
+class ForkedSequence(msgspec.Struct, kw_only=True, array_like=True):
+    """One child of a fork, as the scheduler holds it when the workers first hear of it."""
+
+    key: str
+    # Its place among the request's sequences: the parent's sampler generator of that number becomes the
+    # child's (seeded from seed + CHILD_SEED_STRIDE * index; it already drew the child's first token).
+    index: int
+    block_ids: list[int]  # the child's whole block table: shared full blocks, its copy of the partial last one
+    num_computed_tokens: int
+
+
+class ForkData(msgspec.Struct, kw_only=True, array_like=True):
+    """A sequence of an n > 1 (or best_of) request split into its siblings: the step before sampled one token per
+    sibling under the parent's key, and the scheduler forked them when it applied that step. Sent once, in the
+    next step; the workers apply it before that step's other deltas, so each child starts as a copy of the
+    parent's state as they know it. The partial last block's KV copy travels in the same step's block_copies."""
+
+    parent_key: str
+    children: list[ForkedSequence]  # the children still alive (one that already finished is not created)
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -53,6 +75,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     cached_requests: list[CachedRequestData] = []
     # Tokens each scheduled sequence computes this step (a decode 1; a prefill chunk more).
     num_scheduled_tokens: dict[str, int] = {}
+    forks: list[ForkData] = []  # applied first: the sequences they create may be scheduled or finished below
     finished_keys: list[str] = []  # the workers drop these sequences' state
     block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward
     # Sampling rows constrained by a grammar: key -> int32 bitmask over the vocabulary, as bytes.
@@ -72,7 +95,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         return sum(self.num_scheduled_tokens.values())
 
     def __bool__(self) -> bool:
-        return bool(self.num_scheduled_tokens) or self.kv_connector is not None
+        return bool(self.num_scheduled_tokens) or bool(self.forks) or self.kv_connector is not None
 
     def subset(self, keys: list[str]) -> "SchedulerOutput":
         """The same step computing some sequences only: how fault isolation re-runs part of a failed batch.

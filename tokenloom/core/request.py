@@ -53,7 +53,9 @@ class Request:
         self.sent_tokens = 0  # token_ids[:sent_tokens] are known to the workers
         self.sent_blocks = 0  # block_ids[:sent_blocks] likewise
         self.spec_token_ids: list[int] = []  # drafts scheduled this step (speculative decoding)
-        self.resend_blocks = False  # the block table changed wholesale (preempted, forked): send it all
+        # Their grammar bitmasks, one per verified position (1 + len(drafts)), when a grammar constrains any.
+        self.spec_bitmasks: list[bytes | None] | None = None
+        self.resend_blocks = False  # the block table changed wholesale (preempted, blocks released): send it all
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
@@ -85,12 +87,13 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def fork(self, index: int) -> "Request":
-        """A child sequence sharing everything computed so far (blocks are shared by the caller)."""
+        """A child sequence sharing everything computed so far (blocks are shared by the caller). The workers
+        hear of it through the scheduler's fork event (`ForkData`), which copies the parent's state there."""
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.index = index
         child.key = sequence_key(self.request_id, index)
-        child.resend_blocks = True  # its last block is a copy of the parent's
+        child.sent_to_workers = False  # until the fork event has told them
         child.token_ids = list(self.token_ids)
         child.block_ids = list(self.block_ids)
         child.block_hashes = list(self.block_hashes)

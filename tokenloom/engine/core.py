@@ -1,4 +1,7 @@
-"""EngineCore: owns the scheduler, the KV block pool and the executor; one step = schedule, execute, update."""
+"""EngineCore: owns the scheduler, the KV block pool and the executor; one step = schedule, execute, update.
+
+The step contract the scheduler returns goes to the executor as it is: forks, drafts and grammar bitmasks
+are the scheduler's decisions, made before it allocates the step's KV slots."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +18,6 @@ from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.scheduler import Scheduler, engine_output
 from tokenloom.structured.engine import StructuredEngine
-from tokenloom.structured.matcher import bitmask_row, draft_bitmasks
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -36,7 +38,8 @@ class EngineCore:
                                          config.cache.enable_prefix_caching, self.info.kv_release_window)
         self.kv_connector = make_scheduler_connector(config, self.kv_manager, self.info.kv_connector)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
-                                   speculative=config.speculative_config, connector=self.kv_connector)
+                                   speculative=config.speculative_config, connector=self.kv_connector,
+                                   vocab_size=self.info.vocab_size)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
         self.counters = {"prompt_tokens": 0, "steps": 0, "batched_tokens": 0}
@@ -93,7 +96,6 @@ class EngineCore:
         self.last_step_tokens = 0
         with PROFILER.section("schedule"):
             step = self.scheduler.schedule()
-            self._add_grammar_bitmasks(step)
         if not step:
             return outputs
         try:
@@ -117,37 +119,6 @@ class EngineCore:
 
     def update(self, step: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         return self.scheduler.update_from_output(step, result, self.max_model_len)
-
-    def _add_grammar_bitmasks(self, step: SchedulerOutput) -> None:
-        """The allowed next tokens of every constrained sequence that samples this step."""
-        for key, n in step.num_scheduled_tokens.items():
-            r = self.scheduler.requests[key]
-            drafts = step.spec_token_ids.get(key)
-            if drafts and r.structured is not None:
-                self._constrain_drafts(step, r, drafts)
-            elif r.structured is not None and r.num_computed_tokens + n == r.num_tokens:
-                row = bitmask_row(r.structured, self.info.vocab_size)
-                if row is not None:
-                    step.grammar_bitmask[key] = row
-
-    def _constrain_drafts(self, step: SchedulerOutput, r, drafts: list[int]) -> None:
-        """A constrained sequence verifies only the drafts its grammar allows, each position under its own
-        bitmask; drafts the grammar would reject are dropped before the forward (they could never be accepted)."""
-        result = draft_bitmasks(r.structured, drafts, self.info.vocab_size)
-        kept = result[1] if result is not None else 0
-        if kept < len(drafts):
-            step.num_scheduled_tokens[r.key] = 1 + kept
-            r.spec_token_ids = drafts[:kept]
-            if kept:
-                step.spec_token_ids[r.key] = r.spec_token_ids
-            else:
-                del step.spec_token_ids[r.key]
-        if kept and any(m is not None for m in result[0]):
-            step.spec_grammar_bitmask[r.key] = result[0]
-        elif not kept:
-            row = bitmask_row(r.structured, self.info.vocab_size)
-            if row is not None:
-                step.grammar_bitmask[r.key] = row
 
     # ---- observability ----------------------------------------------------------
     def stats(self) -> dict:

@@ -3,7 +3,9 @@
 The scheduler owns every request's state: it decides what each step computes (`schedule`, which
 returns the step contract with only what the workers do not know yet) and it alone applies what
 the step produced (`update_from_output`: append tokens, stop checks, freeing, prefix-cache
-registration).
+registration). Everything the workers are told is decided here, before the step's KV slots are
+allocated where it matters: n > 1 forks (`ForkData`), the drafts a grammar allows and their bitmasks
+(`structured_step`). The EngineCore passes the step contract on unchanged.
 """
 from __future__ import annotations
 
@@ -11,11 +13,20 @@ import bisect
 import time
 
 from tokenloom.config import SchedulerConfig, SpeculativeConfig
-from tokenloom.core.contract import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenloom.core.contract import (
+    CachedRequestData,
+    ForkData,
+    ForkedSequence,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
+from tokenloom.scheduler.structured_step import constrain_drafts, next_token_bitmask
+from tokenloom.spec_decode.proposer import make_proposer
 
 
 class Scheduler:
@@ -24,8 +35,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None,
-                 connector: SchedulerConnector | None = None):
+                 connector: SchedulerConnector | None = None, vocab_size: int | None = None):
         self.config = config
+        self.vocab_size = vocab_size  # the width of a grammar's bitmask (requests with a `structured` state)
         self.kv = kv
         self.connector = connector or SchedulerConnector()  # KV loads from elsewhere (tokenloom.kv_transfer)
         self.max_model_len = max_model_len
@@ -34,6 +46,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # waiting for their KV to arrive in the background, by key
         self.requests: dict[str, Request] = {}  # by sequence key
         self.pending_copies: list[tuple[int, int]] = []
+        self.unannounced_forks: list[tuple[Request, list[Request]]] = []  # (parent, children): next step's forks
         self.finished_keys: list[str] = []  # sequences the workers still hold state for
         self.num_generation_tokens = 0
         self.num_steps = 0
@@ -46,7 +59,6 @@ class Scheduler:
         self.lookahead = 0
         self.worker_drafts: dict[str, list[int]] = {}  # its latest drafts, per sequence key
         if speculative is not None:
-            from tokenloom.spec_decode.proposer import make_proposer
             self.proposer = make_proposer(speculative)
             self.lookahead = k if self.proposer is None else 0
         self._speculate = False
@@ -114,7 +126,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            req.spec_token_ids = self._propose(req, budget) if speculate and remaining == 1 else []
+            drafting = speculate and remaining == 1
+            req.spec_token_ids, req.spec_bitmasks = self._drafts(req, budget) if drafting else ([], None)
             n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget)
             while not self.kv.allocate(req, n):
                 victim = max(self.running, key=Request.sort_key)
@@ -185,7 +198,7 @@ class Scheduler:
         # The worker-side proposer drafts for the next step: only if that step may speculate, judged by the batch
         # after this step's admissions (a burst of new requests must not pay for drafting their prompts).
         out = SchedulerOutput(step_id=self.num_steps, block_copies=self.pending_copies,
-                              finished_keys=self.finished_keys,
+                              forks=self._announce_forks(), finished_keys=self.finished_keys,
                               propose_drafts=self.lookahead > 0 and self._may_speculate(len(self.running)))
         self.pending_copies, self.finished_keys = [], []
         for req, n in scheduled:
@@ -193,6 +206,12 @@ class Scheduler:
             self.connector.on_scheduled(req, n)
             if req.spec_token_ids:
                 out.spec_token_ids[req.key] = req.spec_token_ids
+                if req.spec_bitmasks is not None:
+                    out.spec_grammar_bitmask[req.key] = req.spec_bitmasks
+            elif req.structured is not None and req.num_computed_tokens + n == req.num_tokens:  # it samples
+                row = next_token_bitmask(req.structured, self.vocab_size)
+                if row is not None:
+                    out.grammar_bitmask[req.key] = row
             if not req.sent_to_workers:
                 out.new_requests.append(NewRequestData(
                     key=req.key, request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -209,6 +228,31 @@ class Scheduler:
             req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
         out.kv_connector = self.connector.build_meta()
         return out
+
+    def _announce_forks(self) -> list[ForkData]:
+        """The forks made since the last step, each child with its block table as of now (this step's
+        allocations included), so the step's deltas for it start from there. A child that already finished
+        is left out; so is a fork with nothing left of it (its parent's key is among the finished ones)."""
+        forks = []
+        for parent, children in self.unannounced_forks:
+            alive = [c for c in children if not c.is_finished]
+            if parent.is_finished and not alive:
+                continue
+            forks.append(ForkData(parent_key=parent.key, children=[
+                ForkedSequence(key=c.key, index=c.index, block_ids=list(c.block_ids),
+                               num_computed_tokens=c.num_computed_tokens) for c in alive]))
+            for c in alive:
+                c.sent_to_workers, c.sent_blocks, c.resend_blocks = True, len(c.block_ids), False
+        self.unannounced_forks = []
+        return forks
+
+    def _drafts(self, req: Request, budget: int) -> tuple[list[int], list[bytes | None] | None]:
+        """A decoding sequence's drafts to verify this step and, under a grammar, their bitmasks: decided before
+        its KV slots are allocated, so it is given room for the drafts its grammar allows only."""
+        drafts = self._propose(req, budget)
+        if drafts and req.structured is not None:
+            return constrain_drafts(req.structured, drafts, self.vocab_size)
+        return drafts, None
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decoding sequence, no more than its token budget, max_tokens and the context allow
@@ -272,7 +316,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.resend_blocks = True
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_bitmasks = [], None
         req.num_computed_tokens = 0
         if req.prompt_logprobs is not None and req.num_output_tokens == 0:
             req.prompt_logprobs = [None]  # the recompute reports the prompt's positions again
@@ -283,7 +327,8 @@ class Scheduler:
 
     # ---- after the forward -------------------------------------------------
     def fork(self, parent: Request) -> list[Request]:
-        """Split a request with n>1 into its sequences once its prompt is computed."""
+        """Split a request with n>1 into its sequences once its prompt is computed and sampled them all. The
+        workers hear of it once, in the next step's contract (`_announce_forks`)."""
         children = []
         needs_copy = parent.num_computed_tokens % self.kv.block_size != 0
         for index in range(1, parent.pending_forks + 1):
@@ -301,6 +346,7 @@ class Scheduler:
             if copy:
                 self.pending_copies.append(copy)
         parent.pending_forks = 0
+        self.unannounced_forks.append((parent, children))
         return children
 
     def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput,
@@ -386,7 +432,7 @@ class Scheduler:
         for pos in range(accepted):
             self.spec_num_accepted_tokens_per_pos[pos] += 1
         r.num_computed_tokens -= len(drafts) - accepted
-        r.spec_token_ids = []
+        r.spec_token_ids, r.spec_bitmasks = [], None
         if r.is_finished:
             return
         self.kv.cache_computed_blocks(r)

@@ -3,7 +3,7 @@
 `StructuredState` wraps an xgrammar `GrammarMatcher` (made from a compiled grammar that may
 still be compiling: it is only waited for when the sequence first samples) and an optional
 `ThinkingTracker` (constraints start after the reasoning ends; a spent thinking budget forces
-the end marker). The EngineCore turns a state into a bitmask row (`bitmask_row`) for each
+the end marker). The scheduler turns a state into a bitmask row (`bitmask_row`) for each
 sequence that samples; the worker that samples masks the logits with them
 (`apply_token_bitmask`). A batch without constrained rows costs nothing.
 """
@@ -116,7 +116,7 @@ def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
 
 def bitmask_row(state: StructuredState, vocab_size: int) -> bytes | None:
     """The sequence's allowed next tokens as an int32 bitmask (bytes, to cross the step contract), or None
-    when nothing constrains it. The EngineCore computes it; the rank that samples applies it."""
+    when nothing constrains it. The scheduler computes it; the rank that samples applies it."""
     row = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     return row.numpy().tobytes() if state.fill(row, 0) else None
 

@@ -85,8 +85,7 @@ class DraftModelProposer(WorkerProposer):
     def _state(self, r: RequestState) -> DraftState:
         st = self.states.get(r.key)
         if st is None:  # a fork's sibling: it catches up from the start (its shared blocks get the same KV)
-            child = int(r.key.rsplit("#", 1)[1]) if "#" in r.key else 0
-            st = self.states[r.key] = DraftState(0, list(r.block_ids), _generator(r.params.seed, child, self.device))
+            st = self.states[r.key] = DraftState(0, list(r.block_ids), _generator(r.params.seed, r.index, self.device))
         return st
 
     def _advance(self, st: DraftState, tokens: list[int], table: list[int]) -> None:

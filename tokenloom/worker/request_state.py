@@ -1,10 +1,11 @@
 """What a worker remembers about each sequence between steps (the persistent batch).
 
 Built from `NewRequestData` once, then advanced by each step's `CachedRequestData`; dropped
-when the scheduler lists the key as finished. It holds what only the device side needs: the
-token history for inputs and penalties, the block table, and the seeded generators, which
-must live where sampling happens (rank 0) so a seeded request draws the same numbers whatever
-process it runs in.
+when the scheduler lists the key as finished. An n > 1 sequence is split into its siblings by
+the scheduler's fork event (`apply_forks`, the one place workers fork). It holds what only the
+device side needs: the token history for inputs and penalties, the block table, and the seeded
+generators, which must live where sampling happens (rank 0) so a seeded request draws the same
+numbers whatever process it runs in.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.core.contract import CachedRequestData, NewRequestData, sequence_key
+from tokenloom.core.contract import CachedRequestData, ForkData, ForkedSequence, NewRequestData
 from tokenloom.core.sampling_params import SamplingParams
 
 # Child c of a seeded request draws from seed + CHILD_SEED_STRIDE * c, so siblings differ.
@@ -32,6 +33,7 @@ class RequestState:
     bad_words_token_ids: list[list[int]]
     # One per sequence still to come out of this one: n (or best_of) before the fork, then one.
     generators: list[torch.Generator | None] = field(default_factory=list)
+    index: int = 0  # the sequence's place among its request's (a fork's child: ForkedSequence.index)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
@@ -73,16 +75,22 @@ class RequestState:
     def needs_logprob(self) -> bool:
         return self.params.logprobs is not None or (self.params.best_of or 0) > self.params.n
 
-    def fork(self) -> list["RequestState"]:
-        """The siblings 1..n-1, each with its own generator; this state keeps generator 0."""
-        children = []
-        for index, generator in enumerate(self.generators[1:], start=1):
-            children.append(RequestState(sequence_key(self.request_id, index), self.request_id, self.params,
-                                         self.prompt_token_ids, list(self.token_ids), list(self.block_ids),
-                                         self.num_computed_tokens, self.eos_token_ids, self.bad_words_token_ids,
-                                         [generator]))
-        self.generators = self.generators[:1]
-        return children
+    def child(self, forked: ForkedSequence) -> "RequestState":
+        """A sibling split off this sequence: its tokens so far, the table the scheduler gave it, and the
+        generator of its index, which drew its first token along with this sequence's."""
+        return RequestState(forked.key, self.request_id, self.params, self.prompt_token_ids, list(self.token_ids),
+                            list(forked.block_ids), forked.num_computed_tokens, self.eos_token_ids,
+                            self.bad_words_token_ids, [self.generators[forked.index]], forked.index)
+
+
+def apply_forks(states: dict[str, RequestState], forks: list[ForkData]) -> None:
+    """Split each forked sequence into its siblings, as the scheduler did; the parent keeps generator 0 and
+    samples one row from then on. Applied before the step's other deltas (they may extend the children)."""
+    for fork in forks:
+        parent = states[fork.parent_key]
+        for forked in fork.children:
+            states[forked.key] = parent.child(forked)
+        parent.generators = parent.generators[:1]
 
 
 def _generator(seed: int | None, child: int, device: torch.device) -> torch.Generator | None:

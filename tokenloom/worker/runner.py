@@ -26,7 +26,7 @@ from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify
 from tokenloom.structured.matcher import apply_token_bitmask
 from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
 from tokenloom.worker.forward_path import EAGER, ForwardPath
-from tokenloom.worker.request_state import RequestState
+from tokenloom.worker.request_state import RequestState, apply_forks
 from tokenloom.worker.sampling_plan import SamplingPlan
 from tokenloom.worker.step_states import follow_step
 
@@ -68,7 +68,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.update_states(step)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
-                    RequestState.apply)
+                    RequestState.apply, apply_forks)
 
     # ---- one step -------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -111,20 +111,12 @@ class ModelRunner:
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
                 out.pooled = pooled
-        forking = {r.key for r, _, samples in logit_rows if samples and r.forks}
-        self._fork_sampled(logit_rows)
+        forking = {r.key for r, _, samples in logit_rows if samples and r.forks}  # they fork next step
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
                 out.draft_token_ids = self.drafter.propose([(self.requests[key], seqs[0].token_ids)
                                                             for key, seqs in out.sampled.items() if key not in forking])
         return out
-
-    def _fork_sampled(self, logit_rows) -> None:
-        """Every rank splits a sequence that just sampled its n siblings, so all ranks know the same keys."""
-        for r, _, samples in logit_rows:
-            if samples and r.forks:
-                for child in r.fork():
-                    self.requests[child.key] = child
 
     def _check_vocabulary(self, ids: list[int]) -> None:
         vocab_size = self.model.config.vocab_size
