@@ -10,6 +10,9 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from tokenloom.structured.reasoning import REASONING_PARSERS
+from tokenloom.structured.tool_parsers import TOOL_PARSERS
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
 
@@ -373,11 +376,9 @@ class EngineConfig:
                "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
         self._check_kv_connectors()
         if self.reasoning_parser is not None:
-            from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
                    f"{', '.join(sorted(REASONING_PARSERS))} (got {self.reasoning_parser!r})")
         if self.tool_call_parser is not None:
-            from tokenloom.structured.tool_parsers import TOOL_PARSERS
             _check(self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser must be one of "
                    f"{', '.join(sorted(TOOL_PARSERS))} (got {self.tool_call_parser!r})")
 

@@ -100,7 +100,7 @@ def _import_edges() -> dict[str, set[str]]:
 
     A package's `__init__` importing its own submodules is how a package exposes them, not a circle:
     those edges are left out."""
-    graph = grimp.build_graph("tokenloom", exclude_type_checking_imports=True)
+    graph = grimp.build_graph("tokenloom", exclude_type_checking_imports=True, cache_dir=None)
     return {module: {imported for imported in graph.find_modules_directly_imported_by(module)
                      if not imported.startswith(module + ".")}
             for module in graph.modules}

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tokenloom.config import ConfigError
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture, quantization or layout is not supported."""
@@ -86,7 +88,6 @@ class ArchConfig:
 
     def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
-        from tokenloom.config import ConfigError
         problems = []
         if self.num_heads % size:
             problems.append(f"its {self.num_heads} attention heads")
@@ -103,7 +104,6 @@ class ArchConfig:
             self.check_expert_parallel(size)
 
     def check_expert_parallel(self, size: int) -> None:
-        from tokenloom.config import ConfigError
         if not self.num_experts:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model ({self.architecture} "
                               f"has no experts)")

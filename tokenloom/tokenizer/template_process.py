@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import threading
 from typing import Any
 
-from tokenloom.tokenizer.chat_template import MAX_RENDER_SECONDS, ChatTemplateError
+from tokenloom.tokenizer.chat_template import MAX_RENDER_SECONDS, ChatTemplateError, render_chat_template
 
 # Headroom above the child's own footprint: the output cap is 4 Mi characters (up to 16 MiB as
 # str), so 256 MiB leaves room for every legitimate intermediate and stops the 300 MB allocation
@@ -33,10 +34,6 @@ START_TIMEOUT_S = 30.0
 
 def _child(conn: Any) -> None:
     """The child's loop: (template, messages, kwargs) in, ("ok", text) or ("error", message) out."""
-    import resource
-
-    from tokenloom.tokenizer.chat_template import render_chat_template
-
     with open("/proc/self/statm") as f:
         vm_pages = int(f.read().split()[0])
     limit = vm_pages * os.sysconf("SC_PAGE_SIZE") + MEMORY_LIMIT_BYTES

@@ -20,7 +20,9 @@ from typing import Iterator
 
 import torch
 
+from tokenloom.config import ConfigError
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.quantized_weight import QuantizedWeight
 
 _FORMAT = 3  # 3: Q5_0 weights kept quantized (a format-2 entry holds them dense)
 _SAMPLES = 16  # blocks read across the file for its fingerprint
@@ -41,7 +43,6 @@ def max_bytes() -> int:
     try:
         gb = float(raw) if raw else DEFAULT_MAX_GB
     except ValueError:
-        from tokenloom.config import ConfigError
         raise ConfigError(f"TOKENLOOM_WEIGHT_CACHE_MAX_GB={raw!r} is not a number") from None
     return int(gb * 2 ** 30)
 
@@ -112,7 +113,6 @@ _PART = "#"  # a quantized weight is stored as <name>#<bits>.<block>.<qweight|sc
 
 def flatten_quantized(tensors: dict) -> dict[str, torch.Tensor]:
     """Tensors and QuantizedWeights by name -> plain tensors by name, for safetensors."""
-    from tokenloom.model.layers.quantized_weight import QuantizedWeight
     flat = {}
     for name, t in tensors.items():
         if isinstance(t, QuantizedWeight):
@@ -125,7 +125,6 @@ def flatten_quantized(tensors: dict) -> dict[str, torch.Tensor]:
 
 def unflatten_quantized(flat: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
     """The inverse of flatten_quantized, over a cache entry's tensors."""
-    from tokenloom.model.layers.quantized_weight import QuantizedWeight
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in flat:
         if _PART not in key:
