@@ -7,8 +7,8 @@ loop: its state waits for the grammar only when it samples its first token (afte
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.structured.backend import XgrammarBackend, get_backend
 from tokenloom.structured.matcher import StructuredState
 from tokenloom.structured.reasoning import get_reasoning_parser
@@ -34,7 +34,8 @@ class StructuredEngine:
             self._backend = self._pool.submit(self._load_backend)
         return self._backend
 
-    def new_state(self, prompt_ids: list[int], params: Any, eos_token_ids: list[int]) -> StructuredState | None:
+    def new_state(self, prompt_ids: list[int], params: SamplingParams,
+                  eos_token_ids: list[int]) -> StructuredState | None:
         """None when the request has no constraint and no thinking budget to enforce."""
         spec = normalize_structured_outputs(params.structured_outputs)
         budget = getattr(params, "thinking_token_budget", None)
