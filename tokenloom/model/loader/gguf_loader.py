@@ -3,11 +3,12 @@ native kernels)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from tokenloom.core.json_types import JsonValue
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.loader.gguf_repack import SUPPORTED, repack
@@ -61,7 +62,7 @@ class GGUFModelFile:
             self.reader = GGUFReader(path, mode="c")
         except Exception as exc:  # the reader raises assorted errors on a bad file
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from None
-        self.metadata: dict[str, Any] = {}
+        self.metadata: dict[str, JsonValue] = {}
         for key, field in self.reader.fields.items():
             if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                        "tokenizer.ggml.scores"):
