@@ -154,7 +154,8 @@ class ParallelConfig:
     node_rank: int = field(default_factory=lambda: _torchrun_env("NODE_RANK", _torchrun_env("GROUP_RANK", 0, int),
                                                                  int))
     master_addr: str = field(default_factory=lambda: _torchrun_env("MASTER_ADDR", "127.0.0.1"))
-    master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))  # None: a free port
+    # None: a free port
+    master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))
     # Mixture of experts: share whole experts over the tensor-parallel ranks instead of slicing each one
     # (tokenloom.distributed.expert_parallel); placement linear | round_robin (None: linear).
     enable_expert_parallel: bool = False
@@ -466,7 +467,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=env_default(name, None, kind),
                        help=help)
 
-    opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 "
+        "(auto: float32 on CPU, bfloat16 on CUDA)")
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see PERFORMANCE.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")

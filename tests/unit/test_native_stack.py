@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import greedy_params, random_prompts
 
 pytestmark = pytest.mark.kernels
@@ -181,4 +180,5 @@ def test_the_op_fake_implementation_agrees_with_the_kernel(quantized):
             stack.final_norm.weight, stack.rotary.cos, stack.rotary.sin, caches, meta.slot_mapping, meta.num_decodes,
             meta.block_tables, meta.context_lens, None, None, None, stack.num_heads, stack.num_kv_heads,
             stack.head_dim, stack.eps, stack.scale)
-    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.tokenloom.decoder_stack.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

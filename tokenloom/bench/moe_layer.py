@@ -1,5 +1,5 @@
-"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed five ways at decode batch sizes, and (with
-`--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
+"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed five ways at decode batch sizes, and
+(with `--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
 `-tp 2 --enable-expert-parallel` run gives the expert-parallel figure.
 
 The five ways, on the same weights and routing:
@@ -132,8 +132,8 @@ def run_moe(ns) -> int:
     results = {"hidden": ns.hidden, "experts": ns.experts, "top_k": ns.top_k, "expert_width": ns.expert_width,
                "layers": ns.layers,
                "threads": torch.get_num_threads(), "ms": {}}
-    print(f"{ns.layers} MoE layers: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, top-{ns.top_k}, "
-          f"{torch.get_num_threads()} threads (median of {ns.repeats})")
+    print(f"{ns.layers} MoE layers: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, "
+          f"top-{ns.top_k}, {torch.get_num_threads()} threads (median of {ns.repeats})")
     for batch in (int(b) for b in ns.batch_sizes.split(",")):
         ms = time_layers(ns.hidden, ns.experts, ns.top_k, ns.expert_width, ns.layers, batch, ns.repeats)
         results["ms"][batch] = ms
