@@ -197,9 +197,9 @@ def format_sweep(runs: Sequence[JsonObject]) -> str:
 
 def plot_sweep(runs: Sequence[JsonObject], path: str, title: str | None = None) -> None:
     """Output tokens/s against TTFT p50 and against TPOT p50, one point per concurrency."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib takes ~0.5 s to import, for a plot only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     thr = [s["output_throughput"] for s in runs]

@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
+import os
 import random
 import sys
 import time
 from typing import AsyncIterator, Sequence, TypeVar
 
 import httpx
+from tqdm import tqdm
 
 from tokenloom.bench import datasets, report
 from tokenloom.bench.client import ENDPOINTS, RequestResult, build_payload, send_request
@@ -214,7 +217,6 @@ def calibrate_tokens_per_word(client: httpx.Client, root: str, model: str, seed:
 
 def resolve_vllm_aliases(ns: argparse.Namespace) -> list[str]:
     """Fold vLLM's flags into ours (in place); returns notes for the user."""
-    import os
     notes = []
     if ns.host or ns.port:
         if ns.base_url != DEFAULT_BASE_URL:
@@ -297,7 +299,6 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(prompts)
     failures = 0
@@ -335,9 +336,6 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
 # ---------------------------------------------------------------------------------- main
 
 def run_serve_bench(ns: argparse.Namespace) -> int:
-    import logging
-    import os
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
 
     try:

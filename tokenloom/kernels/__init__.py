@@ -19,6 +19,8 @@ import logging
 import os
 import pkgutil
 
+import torch
+
 from tokenloom.kernels import cpu_features
 
 logger = logging.getLogger("tokenloom.kernels")
@@ -52,7 +54,6 @@ def load() -> bool:
                        "the torch path runs", isa, ", ".join(isas) or "neither")
         return False
     try:
-        import torch
         path = build.build(isa)
         torch.ops.load_library(str(path))
     except Exception as exc:  # no compiler, no ninja, a compile error: all mean the torch path

@@ -1,10 +1,11 @@
 """The architecture hyper-parameters every model file needs, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tokenloom.config import ConfigError
-from tokenloom.core.json_types import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject
 
 
 class UnsupportedModelError(ValueError):
@@ -145,7 +146,7 @@ class ArchConfig:
         ), **_hf_gemma3(cfg, arch))
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, JsonValue], tensor_names: set[str]) -> "ArchConfig":
+    def from_gguf(cls, meta: Mapping[str, object], tensor_names: set[str]) -> "ArchConfig":
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} "

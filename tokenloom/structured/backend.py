@@ -41,7 +41,7 @@ def _clean(message: str) -> str:
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """xgrammar TokenizerInfo from our Tokenizer (`.inner` is a tokenizers.Tokenizer); `vocab_size` is the
     model's (its LM head may be wider than the tokenizer: the extra ids are never allowed)."""
-    import xgrammar as xgr  # lazy: xgrammar is optional, needed only for structured outputs
+    import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
     vocab = tokenizer.inner.get_vocab(with_added_tokens=True)
     encoded = [""] * vocab_size
     for token, idx in vocab.items():
@@ -62,7 +62,7 @@ class XgrammarBackend:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None, *,
                  compile_timeout: float = COMPILE_TIMEOUT_S, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
                  cache_entries: int = CACHE_ENTRIES, max_threads: int = 2) -> None:
-        import xgrammar as xgr  # lazy: xgrammar is optional, needed only for structured outputs
+        import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(dict.fromkeys(stop_token_ids or tokenizer.eos_token_ids))
@@ -146,7 +146,7 @@ class XgrammarBackend:
         """Refuse a grammar that allows no first token (`root ::= root`, an empty regex class): it could
         never produce output, and would otherwise end every request with an engine error."""
         import torch  # lazy: only this check needs torch; the module loads without it
-        import xgrammar as xgr  # lazy: xgrammar is optional, needed only for structured outputs
+        import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
 
         matcher = xgr.GrammarMatcher(grammar)
         mask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)

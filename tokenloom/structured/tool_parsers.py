@@ -210,7 +210,7 @@ class HermesToolParser:
                       "required": ["name", "arguments"], "additionalProperties": False}
             content: JsonObject = {"type": "json_schema", "json_schema": schema}
             if not any_whitespace:  # compact JSON, as a grammar (a json_schema tag always allows whitespace)
-                import xgrammar as xgr  # lazy: xgrammar is optional, needed only for structured outputs
+                import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
                 ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False))
                 content = {"type": "grammar", "grammar": ebnf}
             tags.append({"type": "tag", "begin": self.start + "\n", "content": content, "end": "\n" + self.end})

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tokenloom.config import ConfigError
 from tokenloom.model.arch_config import ArchConfig
@@ -82,7 +84,6 @@ class CachedWeights:
         with open(f"{stem}.json") as f:
             meta = json.load(f)
         self.arch_config = ArchConfig(**meta["arch"])
-        from safetensors import safe_open
         with safe_open(f"{stem}.safetensors", framework="pt") as f:
             self.num_tensors = len(f.keys())
 
@@ -101,7 +102,6 @@ class CachedWeights:
         return None
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
         with safe_open(f"{self.stem}.safetensors", framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -154,7 +154,6 @@ def store(path: str, dtype: torch.dtype | str, arch: ArchConfig, tensors: dict[s
     if not enabled():
         return
     tensors = flatten_quantized(tensors)
-    from safetensors.torch import save_file
     stem = entry_stem(path, dtype)
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
