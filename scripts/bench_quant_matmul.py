@@ -18,9 +18,9 @@ import torch
 from tokenloom import kernels
 from tokenloom.kernels import quant
 from tokenloom.model.layers.linear_method import mixed_linear
+from tokenloom.model.layers.onednn_layout import pack_weight
 from tokenloom.model.loader import load_model
 from tokenloom.model.model_path import embedded_model_path
-from tokenloom.model.prepack import pack_weight
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=1, help="torch threads (1: two wait on each other on a busy box)")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tokenloom.model.layers.fused_moe import grouped_experts
 from tokenloom.model.layers.moe import select_experts
-from tokenloom.model.prepack import pack_weight
+from tokenloom.model.layers.onednn_layout import pack_weight
 
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
