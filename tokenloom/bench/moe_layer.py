@@ -118,7 +118,7 @@ def time_layers(hidden: int, experts: int, top_k: int, width: int, layers: int, 
 
 def save_random_qwen3_moe(folder: str, hidden: int, experts: int, top_k: int, width: int) -> None:
     """A random Qwen3-MoE (4 layers, 8 heads of 64, vocab 4096) saved as safetensors by transformers."""
-    import transformers
+    import transformers  # lazy: transformers is optional (the test extra)
     config = transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=4 * hidden,
                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                                          head_dim=64, num_experts=experts, num_experts_per_tok=top_k,
