@@ -10,8 +10,8 @@ the two outputs agree (max abs difference). `--cpu-time` times with process_time
 process, summed over its threads), steadier than wall time when other jobs load the machine; `--threads 1`
 takes the thread pool's barriers out of the figure.
 
-Usage: .venv/bin/python scripts/bench_decode_attention_ab.py [--base main] [--rounds 40] [--cpu-time] [--threads N] [--layers N]
-       [--isa avx512|avx2] [--cases 32:285:bf16,32:285:f32,1:256:f32,1:4000:f32]
+Usage: .venv/bin/python scripts/bench_decode_attention_ab.py [--base main] [--rounds 40] [--cpu-time] [--threads N]
+       [--layers N] [--isa avx512|avx2] [--cases 32:285:bf16,32:285:f32,1:256:f32,1:4000:f32]
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Per shape and row count (1, 32, 256, 512): dense float32 (today's oneDNN-prepack
 (`--bf16`; slow on a CPU without AVX512-BF16), the row-major kernels (`quant_matmul`, `quant_matmul_a8`) and
 the column-interleaved ones (`quant_gemm`, `quant_gemm_a8`: what the model runs since issue 15's
 interleaved GEMM). Microseconds a call, best of 7, all variants interleaved in one process; ratios are
-dense f32 over the variant; the variants take turns (round robin) so load spikes hit them alike. Then the forward at 1 and 32 single-token rows: dense, exact, W4A8.
+dense f32 over the variant; the variants take turns (round robin) so load spikes hit them alike. Then the
+forward at 1 and 32 single-token rows: dense, exact, W4A8.
 
 Usage: .venv/bin/python scripts/bench_quant_matmul.py [--threads N] [--rows 1,32,256,512] [--bf16] [--no-forward]
 """
@@ -17,9 +18,9 @@ import torch
 from tokenloom import kernels
 from tokenloom.kernels import quant
 from tokenloom.model.layers.linear_method import mixed_linear
+from tokenloom.model.layers.onednn_layout import pack_weight
 from tokenloom.model.loader import load_model
 from tokenloom.model.model_path import embedded_model_path
-from tokenloom.model.prepack import pack_weight
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=1, help="torch threads (1: two wait on each other on a busy box)")

@@ -1,7 +1,8 @@
 """The engine's resident memory built up step by step, in one process, as `tokenloom serve` builds its engine:
 what each phase adds to RSS and its peak, and where it lands (scripts/rss_breakdown.py's groups).
 
-    .venv/bin/python scripts/rss_phases.py [--max-model-len 4096] [--long-len 3900] [--more N] [engine options as k=v...]
+    .venv/bin/python scripts/rss_phases.py [--max-model-len 4096] [--long-len 3900] [--more N]
+        [engine options as k=v...]
 
 Phases: the interpreter; `import torch`; the engine's modules (what `python -m tokenloom.engine.core_proc`
 imports before building); loading the weights; the KV mapping and runner; the warm-up; one request of 225

@@ -21,7 +21,8 @@ TEXTS = [
     "kilometres before it reaches the sea near the old harbour town.",
     "To make bread, mix flour, water, salt and yeast, knead the dough for ten minutes, let it rise until it "
     "has doubled in size, then shape it and bake it in a hot oven.",
-    "def mean(values):\n    if not values:\n        raise ValueError('no values')\n    return sum(values) / len(values)\n",
+    "def mean(values):\n    if not values:\n        raise ValueError('no values')\n"
+    "    return sum(values) / len(values)\n",
     "The committee met on Tuesday and agreed to postpone the vote until the budget figures had been checked "
     "by an independent auditor.",
 ]

@@ -5,9 +5,9 @@ from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # LLM imports torch and the model code; load it lazily.
+def __getattr__(name):
     if name == "LLM":
-        from tokenloom.entrypoints.llm import LLM
+        from tokenloom.entrypoints.llm import LLM  # lazy: LLM imports torch and the model code
         return LLM
     raise AttributeError(name)
 

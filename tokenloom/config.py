@@ -10,6 +10,9 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from tokenloom.structured.reasoning import REASONING_PARSERS
+from tokenloom.structured.tool_parsers import TOOL_PARSERS
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
 
@@ -151,7 +154,8 @@ class ParallelConfig:
     node_rank: int = field(default_factory=lambda: _torchrun_env("NODE_RANK", _torchrun_env("GROUP_RANK", 0, int),
                                                                  int))
     master_addr: str = field(default_factory=lambda: _torchrun_env("MASTER_ADDR", "127.0.0.1"))
-    master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))  # None: a free port
+    # None: a free port
+    master_port: int | None = field(default_factory=lambda: _torchrun_env("MASTER_PORT", None, int))
     # Mixture of experts: share whole experts over the tensor-parallel ranks instead of slicing each one
     # (tokenloom.distributed.expert_parallel); placement linear | round_robin (None: linear).
     enable_expert_parallel: bool = False
@@ -373,11 +377,9 @@ class EngineConfig:
                "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
         self._check_kv_connectors()
         if self.reasoning_parser is not None:
-            from tokenloom.structured.reasoning import REASONING_PARSERS
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
                    f"{', '.join(sorted(REASONING_PARSERS))} (got {self.reasoning_parser!r})")
         if self.tool_call_parser is not None:
-            from tokenloom.structured.tool_parsers import TOOL_PARSERS
             _check(self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser must be one of "
                    f"{', '.join(sorted(TOOL_PARSERS))} (got {self.tool_call_parser!r})")
 
@@ -465,7 +467,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=env_default(name, None, kind),
                        help=help)
 
-    opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    opt("dtype", str, "weights/activations dtype: auto|float32|bfloat16|float16 "
+        "(auto: float32 on CPU, bfloat16 on CUDA)")
     opt("matmul_dtype", str, "dtype of the linear layers' weights and inputs: auto (= --dtype)|float32|bfloat16|"
         "float16; bfloat16 under float32 activations is the fast CPU mode (see docs/performance.md for its accuracy)")
     opt("device", str, "auto|cpu|cuda|cuda:N")

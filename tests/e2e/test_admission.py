@@ -175,8 +175,8 @@ def _socket_buffer_limit() -> int:
 def test_clients_that_never_read_do_not_hold_admission(stall_server):
     """D3 (the probe's request): a stream of n=16 whose client never reads. It echoes its ~1,000-token prompt
     with 20 logprobs per token in every choice, ~10 MB, more than the socket buffers can hold (a lower bound
-    is checked), so the server's writes block. The write timeout ends the stream (its engine request is aborted or already done,
-    and the connection closes), and a request of n=4 (16 + 4 > 8 slots + 8 waiting under the old count of
+    is checked), so the server's writes block. The write timeout ends the stream (its engine request is aborted or
+    already done, and the connection closes), and a request of n=4 (16 + 4 > 8 slots + 8 waiting under the old count of
     unsent responses) is admitted while the stalled socket is still open."""
     server = stall_server
     prompt = "The history of the city is long and old. " * 100

@@ -183,7 +183,8 @@ def _boundary_stop(llm, token_ids: list[int]) -> tuple[str, str]:
         piece_before = before[-2:]
         after = llm.tokenizer.decode(token_ids[: k + 1])[len(before):][:2]
         stop = piece_before + after
-        if len(piece_before) == 2 and len(after) == 2 and text.startswith(before) and text.find(stop) == len(before) - 2:
+        if (len(piece_before) == 2 and len(after) == 2 and text.startswith(before)
+                and text.find(stop) == len(before) - 2):
             return stop, text[: len(before) - 2]
     raise AssertionError("no token boundary with 2+ characters on both sides")
 

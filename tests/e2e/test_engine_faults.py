@@ -1,4 +1,4 @@
-"""Engine faults end to end. An engine that dies again and again while restarting (issue 21, D5): every death counts toward the
+"""Engine faults end to end. An engine that dies again and again while restarting: every death counts toward the
 restart limit, /health never says 200 without a ready engine, and the server gives up (exit code 1)
 instead of restarting forever. The engine process is killed the moment each one appears."""
 from __future__ import annotations

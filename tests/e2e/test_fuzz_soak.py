@@ -165,10 +165,10 @@ def test_random_parameters_never_break_the_server(server, chat, params, prompt, 
     assert time.time() - t0 < 60
     check_answer(r, body)
     if r.status_code == 200 and body.get("stream") is True:
-        lines = [l for l in r.text.splitlines() if l.startswith("data: ")]
+        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]", r.text[-300:]
-        for l in lines[:-1]:
-            chunk = json.loads(l[6:])
+        for line in lines[:-1]:
+            chunk = json.loads(line[6:])
             if "error" in chunk:
                 assert (chunk["error"].get("status_code"), chunk["error"]["code"]) in TOLERATED_5XX, chunk
 

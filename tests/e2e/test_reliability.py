@@ -311,7 +311,8 @@ def test_engine_fault_restarts_engine(server, fault):
     errors = before.get('tokenloom:request_success_total{finished_reason="error"}', 0)
     aborts = before.get('tokenloom:request_success_total{finished_reason="abort"}', 0)
     engines = server.engine_pids()
-    t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True}, headers=H)
+    t, out = stream_in_thread(server.url, {"prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True},
+                              headers=H)
     deadline = time.time() + 60
     while not out.get("events") and time.time() < deadline:
         time.sleep(0.05)

@@ -57,7 +57,7 @@ def metrics(server) -> dict[str, float]:
 # ---------------------------------------------------------------- simple endpoints
 
 def test_ready_line_and_health(server):
-    line = next(l for l in server.stdout_lines if "tokenloom serving" in l)
+    line = next(out for out in server.stdout_lines if "tokenloom serving" in out)
     assert "smollm2-135m-instruct" in line and "blocks" in line and "full-length" in line
     r = server.get("/health")  # open without the key
     assert r.status_code == 200 and r.json()["status"] == "ok"

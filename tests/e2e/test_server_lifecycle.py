@@ -43,7 +43,8 @@ def test_sigterm_drains_then_errors_and_exits_zero():
         t_long.join(30)
         # the short request finished normally within the shutdown timeout
         assert short["events"][-1] == "[DONE]", short
-        assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "length" for c in short["events"][:-1]), short
+        assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "length"
+                   for c in short["events"][:-1]), short
         # the long one was ended with an error chunk, then [DONE]
         assert long["events"][-1] == "[DONE]"
         assert "error" in long["events"][-2] and long["events"][-2]["error"]["code"] == "shutting_down"

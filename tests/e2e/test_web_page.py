@@ -21,7 +21,8 @@ from server_harness import ServerProcess, metric_values
 
 API_KEY = "ui-test-key"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(os.environ.get("TOKENLOOM_UI_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"))
+ARTIFACTS = Path(os.environ.get("TOKENLOOM_UI_ARTIFACTS",
+                                Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"))
 # Model text that would run script if it were ever rendered as HTML (no quotes: JSON would escape them).
 PAYLOAD = "<script>pw=1</script><img src=x onerror=pw=2>"
 
@@ -181,7 +182,8 @@ def test_engine_view_shows_the_running_request_and_counters_move(page):
 
 @pytest.mark.ui
 def test_stop_button_leaves_no_running_request(page, server):
-    aborted = metric_values(server.get("/metrics").text).get('tokenloom:request_success_total{finished_reason="abort"}', 0)
+    aborted = metric_values(server.get("/metrics").text).get(
+        'tokenloom:request_success_total{finished_reason="abort"}', 0)
     chat(page, "Write a very long story about a dragon and a loom.", max_tokens=1500, temperature=1.0)
     page.locator("#chat-log .msg.assistant .content").filter(has_text=re.compile(r"\S")).wait_for(timeout=60_000)
     page.click("#chat-stop")

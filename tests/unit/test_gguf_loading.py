@@ -96,7 +96,10 @@ def random_k_quant_rows(rng: np.random.Generator, qtype: Q, shape: tuple[int, ..
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    scale = lambda n: rng.uniform(1e-4, 2e-3, size=(rows, cols // block_size, n)).astype(np.float16).view(np.uint8)
+
+    def scale(n):
+        return rng.uniform(1e-4, 2e-3, size=(rows, cols // block_size, n)).astype(np.float16).view(np.uint8)
+
     if qtype == Q.Q4_K:  # d, dmin (float16) lead the block
         blocks[..., 0:4] = scale(2)
     else:  # Q6_K: d (float16) ends the block

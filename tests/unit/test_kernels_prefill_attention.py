@@ -124,7 +124,8 @@ def test_the_op_fake_implementation_agrees_with_the_kernel():
     q, cache, tables, starts, lens = _prefill_case([(5, 40), (9, 9)], seed=8)
     out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
     torch.library.opcheck(torch.ops.tokenloom.paged_attention_prefill.default,
-                          (q, cache, tables, starts, lens, 0.125, 0, out), test_utils=("test_schema", "test_faketensor"))
+                          (q, cache, tables, starts, lens, 0.125, 0, out),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_the_backend_describes_all_chunks_of_a_step_for_one_call():

@@ -176,7 +176,8 @@ def _random_experts(tokens=13, hidden=16, inter=8, experts=6, top_k=2, seed=0):
 
 def test_grouped_experts_equal_the_per_token_definition():
     x, w13, w2, weights, ids = _random_experts()
-    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids), _per_token_reference(x, w13, w2, weights, ids))
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids),
+                               _per_token_reference(x, w13, w2, weights, ids))
 
 
 def test_experts_split_over_two_expert_maps_sum_to_the_whole():

@@ -7,7 +7,8 @@ import pytest
 
 from tokenloom.structured.tool_parsers import HermesToolParser, get_tool_parser, json_value_end
 
-ONE = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
+ONE = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+       '</tool_call>')
 TWO = ('<tool_call>{"name": "a", "arguments": {"s": "x}y\\"z"}}</tool_call>\n'
        '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
 UNCLOSED = '<tool_call>\n{"name": "f", "arguments": {"k": 1}}'

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import argparse
 
+from tokenloom.bench.collectives import add_collectives_args
+from tokenloom.bench.decode_step import add_decode_args
+from tokenloom.bench.moe_layer import add_moe_args
 from tokenloom.config import add_engine_args
+
+try:
+    from tokenloom.bench.serve import add_serve_bench_args
+except ImportError:  # httpx missing: the serve bench is left out
+    add_serve_bench_args = None
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -27,24 +35,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(p, model_positional=False)
 
     def run(ns):
-        from tokenloom.bench.throughput import run_throughput
+        from tokenloom.bench.throughput import run_throughput  # lazy: the offline LLM loads only for this bench
         return run_throughput(ns)
     p.set_defaults(func=run)
 
-    from tokenloom.bench.decode_step import add_decode_args
     add_decode_args(sub.add_parser("decode", help="time of one decode step at given batch sizes (any model, any "
                                                   "--tensor-parallel-size; no tokenizer needed)"))
 
-    from tokenloom.bench.moe_layer import add_moe_args
     add_moe_args(sub.add_parser("moe", help="one mixture-of-experts layer: grouped experts against per-expert and "
                                             "per-token loops and a dense MLP of the same active size"))
 
-    from tokenloom.bench.collectives import add_collectives_args
     add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "
                                                            "alpha-beta fit for the tensor-parallel cost model"))
 
-    try:
-        from tokenloom.bench.serve import add_serve_bench_args
+    if add_serve_bench_args is not None:
         add_serve_bench_args(sub.add_parser("serve", help="load test of an OpenAI-compatible server"))
-    except ImportError:
-        pass

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
 from tokenloom.bench.datasets import BenchPrompt
+from tokenloom.core.json_types import JsonObject
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
@@ -45,8 +45,8 @@ class RequestResult:
 
 
 def build_payload(endpoint: str, model: str, prompt: BenchPrompt, ignore_eos: bool = False,
-                  temperature: float = 0.0, extra_body: dict | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                  temperature: float = 0.0, extra_body: dict | None = None) -> JsonObject:
+    body: JsonObject = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": temperature, "max_tokens": prompt.output_len}
     if endpoint == "chat":
         body["messages"] = prompt.chat_messages()
@@ -81,7 +81,7 @@ def error_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {msg}"
 
 
-def chunk_text(chunk: dict[str, Any]) -> str:
+def chunk_text(chunk: JsonObject) -> str:
     """The text a streamed chunk adds (completions: choices[].text; chat: choices[].delta.content,
     plus reasoning_content where a server streams that separately)."""
     out = []
@@ -94,7 +94,7 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(out)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
+async def send_request(client: httpx.AsyncClient, url: str, payload: JsonObject,
                        headers: dict[str, str] | None = None, t0: float | None = None) -> RequestResult:
     """POST ``payload`` (a streaming request) to ``url`` and time it. Never raises for request
     failures: they come back as ``success=False`` with ``error`` set."""

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 
 def add_collectives_args(p: argparse.ArgumentParser) -> None:
@@ -27,14 +31,12 @@ def add_collectives_args(p: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def run_collectives(ns) -> int:
-    from tqdm import tqdm
     results = {}
     sizes = [int(r) for r in ns.rows.split(",")]
     for world in tqdm([int(w) for w in ns.world_sizes.split(",")], desc="world sizes", unit="size"):
@@ -68,8 +70,6 @@ def run_collectives(ns) -> int:
 
 def _rank_main(argv: list[str]) -> int:
     """One rank: time all-reduces of each size; rank 0 prints {rows: median ms} as JSON."""
-    import torch
-    import torch.distributed as dist
     p = argparse.ArgumentParser()
     for name in ("--rank", "--world", "--port", "--hidden", "--iters", "--threads"):
         p.add_argument(name, type=int)

@@ -54,7 +54,8 @@ def _attention(batch: int, context: int, kv_dtype: torch.dtype, repeats: int):
     perm = torch.randperm(batch * width).view(batch, width) + 1
     spans = [ScheduledSpan(i, context - 1, 1, perm[i].tolist()) for i in range(batch)]
     slots = torch.tensor([s.block_ids[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for s in spans])
-    q, k, v = torch.randn(batch, HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM)
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+    k, v = torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM)
     impl = NativeAttention(HEADS, KV_HEADS, HEAD_DIM)
     metas = []
     for backend in (NativeAttentionBackend(), TorchAttentionBackend()):

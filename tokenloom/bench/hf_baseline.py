@@ -11,7 +11,7 @@ from tqdm import tqdm
 def run_transformers(model_path: str, prompts: list[list[int]], output_len: int, batch: int,
                      dtype: torch.dtype = torch.float32) -> dict:
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers is optional (the test extra)
     except ImportError:
         raise RuntimeError("--compare-transformers needs the transformers package (pip install transformers)")
     if os.path.isdir(model_path):
@@ -35,8 +35,8 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
 def _from_gguf(path: str):
     """transformers' own GGUF config mapping and dequantization, without `accelerate`
     (which from_pretrained(gguf_file=...) insists on)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers is optional (the test extra)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # lazy: as above
     folder, name = os.path.split(path)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -24,7 +24,13 @@ import time
 
 import torch
 
+from tokenloom.config import EngineConfig
+from tokenloom.core.kv_connector import WorkerConnector
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.engine.core import EngineCore
 from tokenloom.kv_transfer.blocks import layout
+from tokenloom.kv_transfer.layerwise import LayerwiseCaches
 from tokenloom.kv_transfer.puller import KVPuller
 from tokenloom.kv_transfer.transport import KVServer, PullRequest
 
@@ -91,11 +97,6 @@ def measure(transport: str, sizes: list[int], iters: int) -> list[dict]:
 def decode_step(blocks: int, batch: int, rounds: int) -> dict:
     """Step times of a decode instance with `batch` running requests: plain, with a background pull of `blocks`
     blocks in flight, and with that pull inside the step (the pre-background behaviour), interleaved."""
-    from tokenloom.config import EngineConfig
-    from tokenloom.core.messages import EngineCoreRequest
-    from tokenloom.core.sampling_params import SamplingParams
-    from tokenloom.engine.core import EngineCore
-
     core = EngineCore(EngineConfig.from_kwargs(splitwise_role="decode", dtype="float32", block_size=BLOCK_SIZE,
                                                log_stats_interval=0), progress=False)
     connector = core.scheduler.connector
@@ -153,13 +154,6 @@ def hook_overhead(batch: int, rounds: int) -> dict:
     """A decode step of an engine without a connector (the plain cache list) against the same step walked
     layer by layer through `LayerwiseCaches` with hooks that do nothing: the per-layer machinery's own cost,
     an upper bound on what an engine without a connector could pay (the runner's step alone, both ways)."""
-    from tokenloom.config import EngineConfig
-    from tokenloom.core.kv_connector import WorkerConnector
-    from tokenloom.core.messages import EngineCoreRequest
-    from tokenloom.core.sampling_params import SamplingParams
-    from tokenloom.engine.core import EngineCore
-    from tokenloom.kv_transfer.layerwise import LayerwiseCaches
-
     core = EngineCore(EngineConfig.from_kwargs(dtype="float32", log_stats_interval=0), progress=False)
     runner = core.executor.worker.runner
     try:

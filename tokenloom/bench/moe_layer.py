@@ -1,5 +1,5 @@
-"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed five ways at decode batch sizes, and (with
-`--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
+"""`tokenloom bench moe`: the mixture-of-experts layers of a decode step timed five ways at decode batch sizes, and
+(with `--save-model DIR`) a random Qwen3-MoE folder of the same layer shape for `tokenloom bench decode`, whose
 `-tp 2 --enable-expert-parallel` run gives the expert-parallel figure.
 
 The five ways, on the same weights and routing:
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tokenloom.model.layers.fused_moe import grouped_experts
 from tokenloom.model.layers.moe import select_experts
-from tokenloom.model.prepack import pack_weight
+from tokenloom.model.layers.onednn_layout import pack_weight
 
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
@@ -118,7 +118,7 @@ def time_layers(hidden: int, experts: int, top_k: int, width: int, layers: int, 
 
 def save_random_qwen3_moe(folder: str, hidden: int, experts: int, top_k: int, width: int) -> None:
     """A random Qwen3-MoE (4 layers, 8 heads of 64, vocab 4096) saved as safetensors by transformers."""
-    import transformers
+    import transformers  # lazy: transformers is optional (the test extra)
     config = transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=4 * hidden,
                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                                          head_dim=64, num_experts=experts, num_experts_per_tok=top_k,
@@ -132,8 +132,8 @@ def run_moe(ns) -> int:
     results = {"hidden": ns.hidden, "experts": ns.experts, "top_k": ns.top_k, "expert_width": ns.expert_width,
                "layers": ns.layers,
                "threads": torch.get_num_threads(), "ms": {}}
-    print(f"{ns.layers} MoE layers: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, top-{ns.top_k}, "
-          f"{torch.get_num_threads()} threads (median of {ns.repeats})")
+    print(f"{ns.layers} MoE layers: hidden {ns.hidden}, {ns.experts} experts of width {ns.expert_width}, "
+          f"top-{ns.top_k}, {torch.get_num_threads()} threads (median of {ns.repeats})")
     for batch in (int(b) for b in ns.batch_sizes.split(",")):
         ms = time_layers(ns.hidden, ns.experts, ns.top_k, ns.expert_width, ns.layers, batch, ns.repeats)
         results["ms"][batch] = ms

@@ -6,9 +6,10 @@ from the first request sent to the last one finished.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from tokenloom.bench.client import RequestResult
+from tokenloom.core.json_types import JsonObject, JsonValue
 
 PERCENTILES = (50, 90, 99)
 METRICS = (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
@@ -76,7 +77,7 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
 
 
 def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, float] | None = None,
-              **meta: Any) -> dict[str, Any]:
+              **meta: JsonValue) -> JsonObject:
     """One run's numbers as a JSON-ready dict (latencies in ms)."""
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
@@ -84,7 +85,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
     in_tok = sum(r.prompt_tokens if r.usage_reported else r.expected_input_len for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
-    s: dict[str, Any] = dict(meta)
+    s: JsonObject = dict(meta)
     s.update({
         "num_requests": len(results),
         "completed": len(ok),
@@ -112,7 +113,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
     return s
 
 
-def requests_detail(results: Iterable[RequestResult]) -> list[dict[str, Any]]:
+def requests_detail(results: Iterable[RequestResult]) -> list[JsonObject]:
     """Per-request records for the JSON file (times in ms)."""
     out = []
     for r in results:
@@ -124,7 +125,7 @@ def requests_detail(results: Iterable[RequestResult]) -> list[dict[str, Any]]:
     return out
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
+def _fmt(v: JsonValue, digits: int = 2) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -134,11 +135,11 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return str(v)
 
 
-def format_summary(s: dict[str, Any], title: str = "Serving benchmark") -> str:
+def format_summary(s: JsonObject, title: str = "Serving benchmark") -> str:
     w = 44
     lines = [f"{' ' + title + ' ':=^{w + 16}}"]
 
-    def row(label: str, value: Any, digits: int = 2) -> None:
+    def row(label: str, value: JsonValue, digits: int = 2) -> None:
         lines.append(f"{label:<{w}}{_fmt(value, digits):>16}")
 
     if s.get("max_concurrency") is not None:
@@ -179,7 +180,7 @@ def format_summary(s: dict[str, Any], title: str = "Serving benchmark") -> str:
     return "\n".join(lines)
 
 
-def format_sweep(runs: Sequence[dict[str, Any]]) -> str:
+def format_sweep(runs: Sequence[JsonObject]) -> str:
     """One line per concurrency of a sweep."""
     head = (f"{'conc':>6} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} "
             f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'E2E p50':>9}")
@@ -194,11 +195,11 @@ def format_sweep(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(runs: Sequence[dict[str, Any]], path: str, title: str | None = None) -> None:
+def plot_sweep(runs: Sequence[JsonObject], path: str, title: str | None = None) -> None:
     """Output tokens/s against TTFT p50 and against TPOT p50, one point per concurrency."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib takes ~0.5 s to import, for a plot only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     thr = [s["output_throughput"] for s in runs]

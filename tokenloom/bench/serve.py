@@ -18,17 +18,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
+import os
 import random
 import sys
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, TypeVar
 
 import httpx
+from tqdm import tqdm
 
 from tokenloom.bench import datasets, report
 from tokenloom.bench.client import ENDPOINTS, RequestResult, build_payload, send_request
 from tokenloom.bench.datasets import BenchPrompt
+from tokenloom.core.json_types import JsonObject, JsonValue
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -174,7 +178,7 @@ def api_base(base_url: str) -> tuple[str, str]:
     return root, root + "/v1"
 
 
-def fetch_model(client: httpx.Client, api: str) -> dict[str, Any]:
+def fetch_model(client: httpx.Client, api: str) -> JsonObject:
     resp = client.get(api + "/models")
     resp.raise_for_status()
     data = resp.json().get("data") or []
@@ -213,7 +217,6 @@ def calibrate_tokens_per_word(client: httpx.Client, root: str, model: str, seed:
 
 def resolve_vllm_aliases(ns: argparse.Namespace) -> list[str]:
     """Fold vLLM's flags into ours (in place); returns notes for the user."""
-    import os
     notes = []
     if ns.host or ns.port:
         if ns.base_url != DEFAULT_BASE_URL:
@@ -271,7 +274,10 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -
     return out
 
 
-async def _schedule(items: Sequence[Any], offsets: Sequence[float], t0: float) -> AsyncIterator[Any]:
+_Item = TypeVar("_Item")
+
+
+async def _schedule(items: Sequence[_Item], offsets: Sequence[float], t0: float) -> AsyncIterator[_Item]:
     for item, at in zip(items, offsets):
         delay = t0 + at - time.perf_counter()
         if delay > 0:
@@ -293,7 +299,6 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(prompts)
     failures = 0
@@ -331,9 +336,6 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
 # ---------------------------------------------------------------------------------- main
 
 def run_serve_bench(ns: argparse.Namespace) -> int:
-    import logging
-    import os
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
 
     try:
@@ -462,7 +464,7 @@ def spec_decode_stats(before: dict[str, float], after: dict[str, float]) -> dict
             "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else float("nan")}
 
 
-def _json_safe(obj: Any) -> Any:
+def _json_safe(obj: JsonValue) -> JsonValue:
     """NaN/inf become null or the string "inf" so the file is strict JSON."""
     if isinstance(obj, float):
         if math.isnan(obj):

@@ -39,7 +39,8 @@ def run_throughput(ns) -> int:
         "total_tokens_per_s": (out_tokens + ns.num_prompts * ns.input_len) / elapsed,
         "num_preemptions": llm.engine.stats()["num_preemptions"],
     }
-    print(f"tokenloom: {results['requests_per_s']:.2f} requests/s, {results['output_tokens_per_s']:.1f} output tokens/s, "
+    print(f"tokenloom: {results['requests_per_s']:.2f} requests/s, "
+          f"{results['output_tokens_per_s']:.1f} output tokens/s, "
           f"{results['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s)")
     if ns.profile:
         print(f"step profile over {PROFILER.steps} steps:\n{PROFILER.format()}")

@@ -17,7 +17,10 @@ from dataclasses import replace
 
 import torch
 
+from tokenloom import kernels
+from tokenloom.model.layers.quantized_linear import quantized_weights
 from tokenloom.model.layers.quantized_weight import Panels, QuantizedWeight
+from tokenloom.model.loader import load_model
 
 
 def _on_plain_pages(w: QuantizedWeight, scale_dtype: torch.dtype) -> QuantizedWeight:
@@ -48,11 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    from tokenloom import kernels
     if not kernels.load():
         raise SystemExit("the native kernels are not loaded: nothing to measure")
-    from tokenloom.model.layers.quantized_linear import quantized_weights
-    from tokenloom.model.loader import load_model
     loaded = load_model(ns.model, torch.float32, torch.device("cpu"), progress=False, quantized=True)
     weights = list({id(w): w for w in quantized_weights(loaded.model)}.values())
     for w in weights:

@@ -13,10 +13,10 @@ checked by `validate_limits`, which the frontend calls once it knows them.
 """
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 # Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -48,29 +48,29 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _err(name: str, value: Any, allowed: str) -> SamplingParamsError:
+def _err(name: str, value: object, allowed: str) -> SamplingParamsError:
     return SamplingParamsError(name, f"{name} must be {allowed}, got {value!r}")
 
 
 _INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     """A plain int that fits in 64 bits (what msgpack, torch and the engine carry)."""
     return isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
 
 
-def _is_real(v: Any) -> bool:
+def _is_real(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _check_int(name: str, v: Any, lo: int | None, hi: int | None, allowed: str) -> int:
+def _check_int(name: str, v: object, lo: int | None, hi: int | None, allowed: str) -> int:
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         raise _err(name, v, allowed)
     return v
 
 
-def _check_float(name: str, v: Any, lo: float, hi: float, allowed: str,
+def _check_float(name: str, v: object, lo: float, hi: float, allowed: str,
                  lo_open: bool = False, hi_open: bool = False) -> float:
     if not _is_real(v):
         raise _err(name, v, allowed)
@@ -80,13 +80,13 @@ def _check_float(name: str, v: Any, lo: float, hi: float, allowed: str,
     return v
 
 
-def _check_bool(name: str, v: Any) -> bool:
+def _check_bool(name: str, v: object) -> bool:
     if not isinstance(v, bool):
         raise _err(name, v, "a bool")
     return v
 
 
-def _check_token_ids(name: str, v: Any, *, allow_empty: bool = True) -> list[int]:
+def _check_token_ids(name: str, v: object, *, allow_empty: bool = True) -> list[int]:
     if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
         raise _err(name, v, "a list of token ids (ints >= 0)")
     out = list(v)
@@ -98,7 +98,7 @@ def _check_token_ids(name: str, v: Any, *, allow_empty: bool = True) -> list[int
     return out
 
 
-def _check_strings(name: str, v: Any) -> list[str]:
+def _check_strings(name: str, v: object) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if isinstance(v, (bytes, dict)) or not hasattr(v, "__iter__"):
@@ -206,7 +206,7 @@ class SamplingParams:
             raise _err("logprobs_mode", self.logprobs_mode, "one of 'raw', 'processed'")
 
     @staticmethod
-    def _normalize_logit_bias(bias: Any) -> dict[int, float]:
+    def _normalize_logit_bias(bias: object) -> dict[int, float]:
         allowed = "a dict {token id (int >= 0): bias (float in [-100, 100])}"
         if not isinstance(bias, dict):
             raise _err("logit_bias", bias, allowed)
@@ -304,6 +304,4 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self) -> "SamplingParams":
-        import copy
-
         return copy.deepcopy(self)

@@ -19,13 +19,18 @@ import logging
 import os
 import pkgutil
 
+import torch
+
+from tokenloom.kernels import cpu_features
+
 logger = logging.getLogger("tokenloom.kernels")
 
 _INFRA = {"build", "cpu_features"}
 _state: dict[str, object] = {}
 
 
-def _disabled_by_env() -> bool:
+def disabled_by_env() -> bool:
+    """`TOKENLOOM_KERNELS=off` (or 0/false/no): build and load nothing, run the torch path."""
     return os.environ.get("TOKENLOOM_KERNELS", "on").strip().lower() in ("off", "0", "false", "no")
 
 
@@ -34,10 +39,10 @@ def load() -> bool:
     if "loaded" in _state:
         return bool(_state["loaded"])
     _state["loaded"] = False
-    if _disabled_by_env():
+    if disabled_by_env():
         logger.info("native kernels off (TOKENLOOM_KERNELS=off): the torch path runs")
         return False
-    from tokenloom.kernels import build, cpu_features
+    from tokenloom.kernels import build  # lazy: `python -m tokenloom.kernels.build` would otherwise load it twice
     isas = cpu_features.supported_isas()
     isa = os.environ.get("TOKENLOOM_KERNEL_ISA") or (isas[0] if isas else None)
     if isa is None:
@@ -49,7 +54,6 @@ def load() -> bool:
                        "the torch path runs", isa, ", ".join(isas) or "neither")
         return False
     try:
-        import torch
         path = build.build(isa)
         torch.ops.load_library(str(path))
     except Exception as exc:  # no compiler, no ninja, a compile error: all mean the torch path

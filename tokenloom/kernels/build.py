@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from tokenloom.kernels import disabled_by_env
+from tokenloom.kernels.cpu_features import best_isa
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -67,7 +71,7 @@ def build(isa: str, verbose: bool = False) -> Path:
     srcs = sources()
     if not srcs:
         raise FileNotFoundError(f"no kernel sources in {CSRC}")
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # lazy: the C++ extension toolchain, only for a build
     put_venv_ninja_on_path()
     os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))  # ninja's default oversubscribes
     directory = build_dir(isa)
@@ -94,7 +98,6 @@ def _drop_stale_lock(directory: Path) -> None:
 
 def put_venv_ninja_on_path() -> None:
     """pip's `ninja` lands beside the interpreter, which is not on PATH when .venv/bin/python runs unactivated."""
-    import sys
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
@@ -102,11 +105,7 @@ def put_venv_ninja_on_path() -> None:
 
 def main() -> int:
     """`python -m tokenloom.kernels.build [isa]`: build (or find cached) the library for this CPU."""
-    import sys
-
-    from tokenloom.kernels import _disabled_by_env
-    from tokenloom.kernels.cpu_features import best_isa
-    if _disabled_by_env():
+    if disabled_by_env():
         print("tokenloom kernels: TOKENLOOM_KERNELS=off, nothing built")
         return 0
     args = [a for a in sys.argv[1:] if not a.startswith("-")]

@@ -110,7 +110,8 @@ class ZmqScheduler(SchedulerConnector):
 
     def on_scheduled(self, request: Request, num_new_tokens: int) -> None:
         tid = self.producing.get(request.key)
-        if tid and tid not in self.published and request.num_computed_tokens + num_new_tokens >= request.num_prompt_tokens:
+        if (tid and tid not in self.published
+                and request.num_computed_tokens + num_new_tokens >= request.num_prompt_tokens):
             self.published.add(tid)
             self.meta.publish.append(Publish(request.key, tid, request.num_prompt_tokens))
 

@@ -1,8 +1,11 @@
 """The architecture hyper-parameters every model file needs, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+
+from tokenloom.config import ConfigError
+from tokenloom.core.json_types import JsonObject
 
 
 class UnsupportedModelError(ValueError):
@@ -36,7 +39,7 @@ class ArchConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: JsonObject | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -86,7 +89,6 @@ class ArchConfig:
 
     def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
-        from tokenloom.config import ConfigError
         problems = []
         if self.num_heads % size:
             problems.append(f"its {self.num_heads} attention heads")
@@ -103,7 +105,6 @@ class ArchConfig:
             self.check_expert_parallel(size)
 
     def check_expert_parallel(self, size: int) -> None:
-        from tokenloom.config import ConfigError
         if not self.num_experts:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model ({self.architecture} "
                               f"has no experts)")
@@ -112,7 +113,7 @@ class ArchConfig:
                               f"experts")
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ArchConfig":
+    def from_hf(cls, cfg: JsonObject) -> "ArchConfig":
         archs = cfg.get("architectures") or []
         if not archs:
             raise UnsupportedModelError("config.json names no 'architectures'")
@@ -145,7 +146,7 @@ class ArchConfig:
         ), **_hf_gemma3(cfg, arch))
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ArchConfig":
+    def from_gguf(cls, meta: Mapping[str, object], tensor_names: set[str]) -> "ArchConfig":
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} "
@@ -186,7 +187,7 @@ class ArchConfig:
         )
 
 
-def _hf_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+def _hf_moe(cfg: JsonObject, arch: str) -> JsonObject:
     """The mixture-of-experts fields of a HF config (Mixtral: num_local_experts, experts as wide as the MLP)."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if not experts:
@@ -199,7 +200,7 @@ def _hf_moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
 
 
-def _gguf_moe(arch: str, get, tensor_names: set[str]) -> dict[str, Any]:
+def _gguf_moe(arch: str, get, tensor_names: set[str]) -> JsonObject:
     """The mixture-of-experts fields of GGUF metadata (llama.cpp keys `<arch>.expert_*`); a layer without a
     router tensor keeps a dense MLP."""
     experts = get("expert_count") or 0
@@ -213,7 +214,7 @@ def _gguf_moe(arch: str, get, tensor_names: set[str]) -> dict[str, Any]:
                 mlp_only_layers=dense)
 
 
-def _hf_gemma3(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+def _hf_gemma3(cfg: JsonObject, arch: str) -> JsonObject:
     """Gemma 3's fields of a HF config: per-layer attention kinds and rotary bases (transformers 5 nests the
     bases in rope_parameters by layer kind; 4.x names them rope_theta and rope_local_base_freq)."""
     if arch != "Gemma3ForCausalLM":
@@ -235,7 +236,7 @@ def _hf_gemma3(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
 
 
-def _gguf_gemma3(arch: str, get) -> dict[str, Any]:
+def _gguf_gemma3(arch: str, get) -> JsonObject:
     """Gemma 3's fields of GGUF metadata. The file names the global rotary base and the window only; the
     rest are Gemma 3's defaults as llama.cpp applies them: every 6th layer global, local base 10000, no
     soft-capping, GeLU(tanh), queries scaled by head_dim**-0.5, except the 62-layer 27B, whose config scales
@@ -254,14 +255,14 @@ def _gemma3_kind(layer: int, pattern: int) -> str:
     return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
+def _sliding_window(cfg: JsonObject) -> int | None:
     """The window the model attends over, if it uses one (Qwen2 configs name one they switch off)."""
     if cfg.get("use_sliding_window") is False:
         return None
     return cfg.get("sliding_window") or None
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_scaling(cfg: JsonObject) -> JsonObject | None:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not scaling:
         return None

@@ -8,30 +8,20 @@ this model's shapes) and makes the matmuls 1.3-2.8x faster at 8-64 rows
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from tokenloom.model.layers.fused_moe import FusedMoE
 from tokenloom.model.layers.linear import Linear
+from tokenloom.model.layers.onednn_layout import pack_weight
 from tokenloom.model.matmul_dtype import has_tied_head
 
-logger = logging.getLogger("tokenloom.engine")
+__all__ = ["can_prepack", "pack_weight", "prepack_linear_weights"]
 
 
 def can_prepack(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in oneDNN's layout (mixed_linear multiplies by it); unchanged if oneDNN refuses it."""
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    except RuntimeError as exc:  # e.g. a dtype this oneDNN build cannot pack
-        logger.debug("weight %s %s left unpacked: %s", tuple(weight.shape), weight.dtype, exc)
-        return weight
 
 
 def prepack_linear_weights(model: torch.nn.Module) -> int:

@@ -12,10 +12,15 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenloom.structured.errors import StructuredOutputError
 from tokenloom.structured.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from tokenloom.tokenizer.tokenizer import Tokenizer
 
 COMPILE_TIMEOUT_S = 30.0
 MAX_GRAMMAR_BYTES = 256 * 2 ** 20
@@ -33,11 +38,10 @@ def _clean(message: str) -> str:
     return _NOISE.sub("", str(message)).strip().splitlines()[0] if str(message).strip() else "unknown error"
 
 
-def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """xgrammar TokenizerInfo from our Tokenizer (`.inner` is a tokenizers.Tokenizer); `vocab_size` is the
     model's (its LM head may be wider than the tokenizer: the extra ids are never allowed)."""
-    import xgrammar as xgr
-
+    import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
     vocab = tokenizer.inner.get_vocab(with_added_tokens=True)
     encoded = [""] * vocab_size
     for token, idx in vocab.items():
@@ -55,11 +59,10 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
 class XgrammarBackend:
     """Compiles `GrammarSpec`s for one tokenizer; thread-safe; LRU cache of compiled grammars."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None, *,
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None, *,
                  compile_timeout: float = COMPILE_TIMEOUT_S, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
                  cache_entries: int = CACHE_ENTRIES, max_threads: int = 2) -> None:
-        import xgrammar as xgr
-
+        import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(dict.fromkeys(stop_token_ids or tokenizer.eos_token_ids))
@@ -139,11 +142,11 @@ class XgrammarBackend:
         self._check_can_start(grammar, spec)
         return grammar
 
-    def _check_can_start(self, grammar: Any, spec: GrammarSpec) -> None:
+    def _check_can_start(self, grammar: xgr.CompiledGrammar, spec: GrammarSpec) -> None:
         """Refuse a grammar that allows no first token (`root ::= root`, an empty regex class): it could
         never produce output, and would otherwise end every request with an engine error."""
-        import torch
-        import xgrammar as xgr
+        import torch  # lazy: only this check needs torch; the module loads without it
+        import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
 
         matcher = xgr.GrammarMatcher(grammar)
         mask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
@@ -157,7 +160,7 @@ _BACKENDS: dict[tuple, XgrammarBackend] = {}
 _BACKENDS_LOCK = threading.Lock()
 
 
-def get_backend(tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> XgrammarBackend:
+def get_backend(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> XgrammarBackend:
     """The process's backend for this tokenizer (by name) and model vocab size; built on first use, so the
     offline LLM's frontend and engine share one compile cache."""
     key = (getattr(tokenizer, "name", "") or id(tokenizer), vocab_size, tuple(stop_token_ids or ()))

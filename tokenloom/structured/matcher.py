@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloom.structured.thinking import ANSWER, REASONING, UNDECIDED, ThinkingTracker
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger("tokenloom.structured")
 
@@ -27,7 +30,7 @@ class StructuredState:
     def __init__(self, ready: Future, stop_token_ids: list[int]) -> None:
         self.ready = ready
         self.stop_token_ids = list(stop_token_ids)
-        self.matcher: Any = None
+        self.matcher: xgr.GrammarMatcher | None = None
         self.thinking: ThinkingTracker | None = None
         self.failed: str | None = None
         self._materialized = False
@@ -43,7 +46,7 @@ class StructuredState:
         try:
             compiled, make_tracker = self.ready.result()
             if compiled is not None:
-                import xgrammar as xgr
+                import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
                 self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
             self.thinking = make_tracker() if make_tracker is not None else None
         except Exception as e:  # noqa: BLE001 - the request fails alone
@@ -164,7 +167,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[bytes | None]) -> None:
     B, V = logits.shape
     bitmask = torch.stack([torch.frombuffer(bytearray(rows[i]), dtype=torch.int32) for i in constrained])
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        import xgrammar as xgr
+        import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
         full = torch.full((B, bitmask.shape[1]), -1, dtype=torch.int32)
         full[constrained] = bitmask
         xgr.apply_token_bitmask_inplace(logits, full, vocab_size=V, indices=constrained)

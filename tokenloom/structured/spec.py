@@ -5,16 +5,17 @@ Accepted keys (vLLM names): exactly one constraint of ``json`` (schema dict or J
 ``structural_tag`` (dict or JSON text); options ``strict`` (JSON schema: no properties or items
 beyond the schema's) and ``any_whitespace``. JSON is compact by default (one space after ``,``
 and ``:``, no other whitespace): a small model given free whitespace spends its token budget on
-newlines and indentation and the JSON never closes (issue 21). ``any_whitespace: true`` restores
-free (bounded) whitespace; vLLM's ``disable_any_whitespace`` is accepted and is the default. Schemas are checked here (JSON Schema
-validity, and features xgrammar would silently not enforce), before anything is compiled.
+newlines and indentation and the JSON never closes. ``any_whitespace: true`` restores free
+(bounded) whitespace; vLLM's ``disable_any_whitespace`` is accepted and is the default. Schemas are
+checked here (JSON Schema validity, and features xgrammar would silently not enforce), before
+anything is compiled.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.structured.errors import StructuredOutputError
 
 CONSTRAINT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -46,7 +47,7 @@ class GrammarSpec:
         return (self.kind, self.spec, self.strict, self.any_whitespace)
 
 
-def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "structured_outputs",
+def normalize_structured_outputs(so: JsonObject | None, param: str = "structured_outputs",
                                  where: str | None = None) -> GrammarSpec | None:
     """Validate and canonicalize; None when the dict holds no constraint. Errors name `param` (the request
     field) and say `where` the constraint sits (default ``param.kind``)."""
@@ -99,7 +100,7 @@ def normalize_structured_outputs(so: dict[str, Any] | None, param: str = "struct
     return GrammarSpec("structural_tag", _canonical(legacy_structural_tag(tag)))
 
 
-def legacy_structural_tag(tag: dict[str, Any]) -> dict[str, Any]:
+def legacy_structural_tag(tag: JsonObject) -> JsonObject:
     """vLLM's older ``{"structures": [{begin, schema, end}], "triggers": [...]}`` -> xgrammar's format."""
     if "structures" not in tag:
         return tag
@@ -110,12 +111,12 @@ def legacy_structural_tag(tag: dict[str, Any]) -> dict[str, Any]:
             "format": {"type": "triggered_tags", "triggers": list(tag.get("triggers") or ()), "tags": tags}}
 
 
-def _canonical(obj: Any) -> str:
+def _canonical(obj: JsonValue) -> str:
     # Key order is kept: xgrammar emits object properties in the schema's order.
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def close_objects(node: Any) -> Any:
+def close_objects(node: JsonValue) -> JsonValue:
     """A copy where every object schema that lists `properties` and says nothing about other properties
     gets ``additionalProperties: false`` (outputs stay valid for the original schema; a weak model cannot
     wander into invented keys). Objects without `properties` stay open."""
@@ -136,7 +137,7 @@ def _check_size(text: str, where: str) -> None:
                                     where)
 
 
-def _load_json(value: Any, where: str, expected: str) -> Any:
+def _load_json(value: JsonValue, where: str, expected: str) -> JsonValue:
     if isinstance(value, str):
         _check_size(value, where)
         try:
@@ -149,10 +150,10 @@ def _load_json(value: Any, where: str, expected: str) -> Any:
     raise StructuredOutputError(f"{where} must be {expected}, got {type(value).__name__}", where)
 
 
-def check_schema(schema: dict[str, Any], where: str) -> None:
+def check_schema(schema: JsonObject, where: str) -> None:
     """A valid JSON Schema (checked with `jsonschema` when installed) that xgrammar fully enforces."""
     try:
-        import jsonschema
+        import jsonschema  # lazy: optional; without it xgrammar still reports gross errors
     except ImportError:  # pragma: no cover - optional; xgrammar still reports gross errors
         jsonschema = None
     if jsonschema is not None:
@@ -166,7 +167,7 @@ def check_schema(schema: dict[str, Any], where: str) -> None:
     _check_enforceable(schema, "#", where)
 
 
-def _check_enforceable(node: Any, path: str, where: str) -> None:
+def _check_enforceable(node: JsonValue, path: str, where: str) -> None:
     if not isinstance(node, dict):
         return
 

@@ -7,7 +7,10 @@ tokens is spent, the end marker's tokens are forced one per step.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenloom.tokenizer.tokenizer import Tokenizer
 
 REASONING, ANSWER, UNDECIDED = "reasoning", "answer", "undecided"
 _TAIL_TOKENS = 16
@@ -22,7 +25,7 @@ def prompt_phase(prompt_text: str, start: str, end: str) -> str:
 
 
 class ThinkingTracker:
-    def __init__(self, tokenizer: Any, start: str, end: str, prompt_ids: list[int], budget: int | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, start: str, end: str, prompt_ids: list[int], budget: int | None) -> None:
         self.tokenizer = tokenizer
         self.start, self.end = start, end
         self.end_ids = tokenizer.encode(end, add_special_tokens=False)

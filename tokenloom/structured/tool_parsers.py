@@ -12,7 +12,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+
+from tokenloom.core.json_types import JsonObject
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -27,7 +28,7 @@ class ToolCall:
     def __post_init__(self) -> None:
         self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -86,6 +87,15 @@ def _raw_arguments(body: str) -> str | None:
     return body[m.end():m.end() + end] if end else None
 
 
+@dataclass
+class _StreamedCall:
+    """What has been streamed of one call: its id, its name once sent, the argument text sent so far."""
+    id: str
+    name: str | None = None
+    sent: str = ""
+    done: bool = False
+
+
 class HermesToolParser:
     start = "<tool_call>"
     end = "</tool_call>"
@@ -93,7 +103,7 @@ class HermesToolParser:
     def __init__(self) -> None:
         self._text = ""
         self._content_sent = 0
-        self._calls: list[dict[str, Any]] = []  # per call: id, name_sent, args_sent, done
+        self._calls: list[_StreamedCall] = []
 
     # ------------------------------------------------------------------ whole output
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -113,16 +123,16 @@ class HermesToolParser:
         return (content if content.strip() else None), calls
 
     # ------------------------------------------------------------------ streaming
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, delta: str) -> tuple[str, list[JsonObject]]:
         """Streaming: (content delta, tool_call deltas in OpenAI's delta.tool_calls shape)."""
         self._text += delta
         return self._stream(final=False)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, list[JsonObject]]:
         """Streaming: the rest, once the output is complete."""
         return self._stream(final=True)
 
-    def _stream(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def _stream(self, final: bool) -> tuple[str, list[JsonObject]]:
         text = self._text
         first = text.find(self.start)
         if first < 0:
@@ -130,13 +140,13 @@ class HermesToolParser:
                 return self._content(text), []
             held = text[:len(text) - _partial_suffix(text, self.start)]
             return self._content(held.rstrip()), []  # trailing space may precede a call
-        deltas: list[dict[str, Any]] = []
+        deltas: list[JsonObject] = []
         for i, part in enumerate(text[first:].split(self.start)[1:]):
             closed = part.find(self.end)
             body = (part[:closed] if closed >= 0 else part).strip()
             if i >= len(self._calls):
-                self._calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None, "sent": "", "done": False})
-            if not self._calls[i]["done"]:
+                self._calls.append(_StreamedCall(id=f"call_{uuid.uuid4().hex[:24]}"))
+            if not self._calls[i].done:
                 deltas.extend(self._stream_call(i, self._calls[i], body, closed >= 0 or final))
         return self._content(text[:first].rstrip()), deltas
 
@@ -145,25 +155,25 @@ class HermesToolParser:
         self._content_sent = max(self._content_sent, len(content))
         return delta
 
-    def _stream_call(self, i: int, state: dict[str, Any], body: str, done: bool) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def _stream_call(self, i: int, state: _StreamedCall, body: str, done: bool) -> list[JsonObject]:
+        out: list[JsonObject] = []
         if done:
-            state["done"] = True
+            state.done = True
             call = _parse_call(body)
             if call is None:
                 return out  # malformed: nothing more for this call
-            if state["name"] is None:
-                state["name"] = call.name
+            if state.name is None:
+                state.name = call.name
                 out.append(self._header(i, state))
-            if call.arguments.startswith(state["sent"]) and len(call.arguments) > len(state["sent"]):
-                out.append({"index": i, "function": {"arguments": call.arguments[len(state["sent"]):]}})
+            if call.arguments.startswith(state.sent) and len(call.arguments) > len(state.sent):
+                out.append({"index": i, "function": {"arguments": call.arguments[len(state.sent):]}})
             return out
         name_m, args_m = _NAME.search(body), _ARGS.search(body)
         if name_m is None or (args_m is not None and args_m.start() < name_m.start()):
             return out  # arguments before the name: sent whole once the call is complete
-        if state["name"] is None:
+        if state.name is None:
             try:
-                state["name"] = json.loads(f'"{name_m.group(1)}"')
+                state.name = json.loads(f'"{name_m.group(1)}"')
             except ValueError:
                 return out
             out.append(self._header(i, state))
@@ -174,18 +184,18 @@ class HermesToolParser:
             return out
         end = json_value_end(value)
         value = value[:end] if end else value
-        if len(value) > len(state["sent"]):
-            out.append({"index": i, "function": {"arguments": value[len(state["sent"]):]}})
-            state["sent"] = value
+        if len(value) > len(state.sent):
+            out.append({"index": i, "function": {"arguments": value[len(state.sent):]}})
+            state.sent = value
         return out
 
     @staticmethod
-    def _header(i: int, state: dict[str, Any]) -> dict[str, Any]:
-        return {"index": i, "id": state["id"], "type": "function", "function": {"name": state["name"], "arguments": ""}}
+    def _header(i: int, state: _StreamedCall) -> JsonObject:
+        return {"index": i, "id": state.id, "type": "function", "function": {"name": state.name, "arguments": ""}}
 
     # ------------------------------------------------------------------ grammar
-    def structural_tag(self, functions: list[dict[str, Any]], parallel: bool = True,
-                       any_whitespace: bool = False) -> dict[str, Any]:
+    def structural_tag(self, functions: list[JsonObject], parallel: bool = True,
+                       any_whitespace: bool = False) -> JsonObject:
         """xgrammar structural tag: one or more calls (just one unless parallel) of these functions, in this
         parser's format, and nothing else.
 
@@ -198,10 +208,9 @@ class HermesToolParser:
             schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
                                                        "arguments": fn.get("parameters") or {"type": "object"}},
                       "required": ["name", "arguments"], "additionalProperties": False}
-            content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+            content: JsonObject = {"type": "json_schema", "json_schema": schema}
             if not any_whitespace:  # compact JSON, as a grammar (a json_schema tag always allows whitespace)
-                import xgrammar as xgr
-
+                import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
                 ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False))
                 content = {"type": "grammar", "grammar": ebnf}
             tags.append({"type": "tag", "begin": self.start + "\n", "content": content, "end": "\n" + self.end})

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenloom.core.json_types import JsonValue
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 MAX_RENDER_SECONDS = 2.0
@@ -60,26 +63,26 @@ class _GenerationTag(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
-    def _render(self, caller: Any) -> str:
+    def _render(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
 class _Namespace(jinja2.utils.Namespace):
     """`namespace()` that refuses underscore-prefixed attributes."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:
+    def __init__(*args: object, **kwargs: object) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name: Any) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
@@ -87,10 +90,10 @@ class _Namespace(jinja2.utils.Namespace):
 class _TemplateDict:
     """`dict()` for templates, without exposing the `dict` type itself."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: object, **kwargs: object) -> dict:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: object, **kwargs: object) -> dict:
         return dict.fromkeys(*args, **kwargs)
 
 
@@ -98,7 +101,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+def _tojson(x: JsonValue, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -116,22 +119,18 @@ def _check_int_bits(bits: int) -> None:
         _refuse(f"the template builds an integer of about {bits} bits; the limit is {MAX_INT_BITS}")
 
 
-def _check_width(width: Any) -> None:
+def _check_width(width: object) -> None:
     if isinstance(width, int) and not isinstance(width, bool) and width > MAX_RENDER_CHARS:
         _refuse(f"the template asks for a width of {width} characters; the limit is {MAX_RENDER_CHARS}")
 
 
-_PERCENT_SPEC = None
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
 def _check_percent_format(fmt: str) -> None:
     """`"%300000000s" % x` would allocate its padding before any size check could see it."""
-    global _PERCENT_SPEC
     if "%" not in fmt:
         return
-    if _PERCENT_SPEC is None:
-        import re
-        _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
     for m in _PERCENT_SPEC.finditer(fmt):
         for group in m.groups():
             if group == "*":
@@ -146,7 +145,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset(["*", "**", "+", "%"])
 
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: object, right: object) -> object:
         ints = isinstance(left, int) and isinstance(right, int)
         if operator == "*":
             if ints:
@@ -172,7 +171,8 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             _check_percent_format(left)
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(__self, __context: jinja2.runtime.Context, __obj: object, *args: object,  # noqa: N805
+             **kwargs: object) -> object:
         """Method calls from templates: refuse str padding / replacement that would be oversized."""
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
@@ -194,17 +194,17 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
                         _refuse("format argument over the size limit")
         return super().call(__context, __obj, *args, **kwargs)
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+    def unsafe_undefined(self, obj: object, attribute: str) -> jinja2.Undefined:
         raise jinja2.exceptions.SecurityError(
             f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
         )
 
 
-def _checked_filter(name: str, width_args: tuple[str, ...]) -> Any:
+def _checked_filter(name: str, width_args: tuple[str, ...]) -> Callable[..., object]:
     """A jinja2 built-in filter whose width-like arguments are capped (filters bypass `call`)."""
     real = jinja2.filters.FILTERS[name]
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: object, **kwargs: object) -> object:
         for a in (*args[1:], *(kwargs.get(k) for k in width_args)):
             _check_width(a)
         if name == "format" and args and isinstance(args[0], str):
@@ -237,7 +237,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"invalid chat template: {e}") from e
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> JsonValue:
     """Rebuild `value` from plain JSON types so a template sees no rich objects."""
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -256,7 +256,7 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _normalize_messages(messages: Sequence[object]) -> list[dict[str, JsonValue]]:
     out = []
     for message in _plain(messages):
         if not isinstance(message, dict):
@@ -269,7 +269,7 @@ def _normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _tag_final_message(messages: list[dict[str, Any]], template: str) -> str:
+def _tag_final_message(messages: list[dict[str, JsonValue]], template: str) -> str:
     """Append a marker to the final message's text; return that text."""
     if not messages:
         raise ChatTemplateError("continue_final_message is set but the conversation is empty")
@@ -302,14 +302,14 @@ def _cut_at_tag(rendered: str, final_text: str) -> str:
 
 def render_chat_template(
     template: str,
-    messages: list[Any],
+    messages: Sequence[object],
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    tools: list[dict[str, Any]] | None = None,
-    documents: list[dict[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    documents: Sequence[Mapping[str, object]] | None = None,
     special_tokens: Mapping[str, str | None] | None = None,
-    **chat_template_kwargs: Any,
+    **chat_template_kwargs: object,
 ) -> str:
     """Render `messages` with `template` the way `transformers` does (tokenize=False).
 
@@ -344,11 +344,11 @@ class _RenderInterrupted(Exception):
     """Raised inside a render thread that ran out of time."""
 
 
-def _bounded_render(compiled: jinja2.Template, variables: dict[str, Any]) -> str:
+def _bounded_render(compiled: jinja2.Template, variables: dict[str, object]) -> str:
     """Render in a worker thread: output capped at MAX_RENDER_CHARS, time at MAX_RENDER_SECONDS
     (an overdue render gets an exception raised inside its thread, which stops any pure-Python
     loop the template compiled to)."""
-    result: dict[str, Any] = {}
+    result: dict[str, str | BaseException] = {}
 
     def work() -> None:
         try:

@@ -5,10 +5,11 @@ import json
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
+
+from tokenloom.core.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,11 @@ class GGUFTokenizerInfo:
     add_bos_token: bool
     chat_template: str | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "GGUFTokenizerInfo":
+    def from_json(cls, data: JsonObject) -> "GGUFTokenizerInfo":
         return cls(**data)
 
 
@@ -79,7 +80,7 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_pre_tokenizer(pre: str | None) -> dict[str, Any]:
+def _byte_pre_tokenizer(pre: str | None) -> JsonObject:
     if pre == "smollm":
         return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]}
     if pre in _SPLITS:
@@ -90,7 +91,7 @@ def _byte_pre_tokenizer(pre: str | None) -> dict[str, Any]:
     return _BYTE_LEVEL
 
 
-def _bpe_model(vocab: dict[str, int], merges: list[list[str]], **extra: Any) -> dict[str, Any]:
+def _bpe_model(vocab: dict[str, int], merges: list[list[str]], **extra: JsonValue) -> JsonObject:
     return {
         "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
         "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
@@ -122,7 +123,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _byte_level(md: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+def _byte_level(md: dict[str, JsonValue], tokens: list[str]) -> JsonObject:
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
     spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode()) for t in tokens]
@@ -137,7 +138,7 @@ def _byte_level(md: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
     }
 
 
-def _sentencepiece(md: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+def _sentencepiece(md: dict[str, JsonValue], tokens: list[str]) -> JsonObject:
     vocab = _vocab(tokens)
     if "tokenizer.ggml.merges" in md:
         merges = _parse_merges(md["tokenizer.ggml.merges"])
@@ -147,7 +148,7 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
         raise ValueError("SentencePiece vocabulary has neither merges nor scores")
     unk_id = md.get("tokenizer.ggml.unknown_token_id")
     prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-    decoder: list[dict[str, Any]] = [
+    decoder: list[JsonObject] = [
         {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
         {"type": "ByteFallback"},
         {"type": "Fuse"},
@@ -168,7 +169,7 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
     }
 
 
-def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+def _added_tokens(tokens: list[str], types: list[int]) -> list[JsonObject]:
     return [
         {
             "id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
@@ -179,14 +180,14 @@ def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
     ]
 
 
-def _optional_id(md: dict[str, Any], key: str, n_tokens: int) -> int | None:
+def _optional_id(md: dict[str, JsonValue], key: str, n_tokens: int) -> int | None:
     value = md.get(f"tokenizer.ggml.{key}")
     if value is None or not 0 <= int(value) < n_tokens:
         return None
     return int(value)
 
 
-def build_gguf_tokenizer(md: dict[str, Any]) -> tuple[HFTokenizer, GGUFTokenizerInfo]:
+def build_gguf_tokenizer(md: dict[str, JsonValue]) -> tuple[HFTokenizer, GGUFTokenizerInfo]:
     """Build the tokenizer described by GGUF metadata `md` (keys `tokenizer.*`).
 
     Raises ValueError when the metadata does not describe a supported tokenizer.

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import struct
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
+
+from tokenloom.core.json_types import JsonValue
 
 _GGUF_MAGIC = b"GGUF"
 _STRING = 8
@@ -18,7 +20,7 @@ class GGUFMetadataError(ValueError):
     """The file is not a readable GGUF file."""
 
 
-def read_gguf_metadata(path: str, prefix: str = "") -> dict[str, Any]:
+def read_gguf_metadata(path: str, prefix: str = "") -> dict[str, JsonValue]:
     """Return the metadata entries of the GGUF at `path` whose keys start with `prefix`.
 
     Numeric arrays come back as lists of Python numbers, strings as `str`.
@@ -32,14 +34,14 @@ def read_gguf_metadata(path: str, prefix: str = "") -> dict[str, Any]:
         raise GGUFMetadataError(f"corrupt GGUF metadata ({e})") from e
 
 
-def _read(f: BinaryIO, prefix: str) -> dict[str, Any]:
+def _read(f: BinaryIO, prefix: str) -> dict[str, JsonValue]:
     if f.read(4) != _GGUF_MAGIC:
         raise GGUFMetadataError("not a GGUF file (bad magic)")
     (version,) = struct.unpack("<I", _exact(f, 4))
     if version not in (2, 3):
         raise GGUFMetadataError(f"unsupported GGUF version {version}")
     _tensor_count, kv_count = struct.unpack("<QQ", _exact(f, 16))
-    out: dict[str, Any] = {}
+    out: dict[str, JsonValue] = {}
     for _ in range(kv_count):
         key = _string(f)
         (vtype,) = struct.unpack("<I", _exact(f, 4))
@@ -61,7 +63,7 @@ def _string(f: BinaryIO) -> str:
     return _exact(f, n).decode("utf-8")
 
 
-def _value(f: BinaryIO, vtype: int) -> Any:
+def _value(f: BinaryIO, vtype: int) -> JsonValue:
     if vtype == _STRING:
         return _string(f)
     if vtype in _SCALARS:

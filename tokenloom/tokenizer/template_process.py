@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import threading
-from typing import Any
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
-from tokenloom.tokenizer.chat_template import MAX_RENDER_SECONDS, ChatTemplateError
+from tokenloom.tokenizer.chat_template import MAX_RENDER_SECONDS, ChatTemplateError, render_chat_template
 
 # Headroom above the child's own footprint: the output cap is 4 Mi characters (up to 16 MiB as
 # str), so 256 MiB leaves room for every legitimate intermediate and stops the 300 MB allocation
@@ -31,12 +34,8 @@ MEMORY_LIMIT_BYTES = 256 * 2 ** 20
 START_TIMEOUT_S = 30.0
 
 
-def _child(conn: Any) -> None:
+def _child(conn: Connection) -> None:
     """The child's loop: (template, messages, kwargs) in, ("ok", text) or ("error", message) out."""
-    import resource
-
-    from tokenloom.tokenizer.chat_template import render_chat_template
-
     with open("/proc/self/statm") as f:
         vm_pages = int(f.read().split()[0])
     limit = vm_pages * os.sysconf("SC_PAGE_SIZE") + MEMORY_LIMIT_BYTES
@@ -63,8 +62,8 @@ class TemplateProcess:
     def __init__(self, timeout: float = MAX_RENDER_SECONDS) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._proc: Any = None
-        self._conn: Any = None
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -86,7 +85,7 @@ class TemplateProcess:
             self._conn.close()
         self._proc = self._conn = None
 
-    def render(self, template: str, messages: list[Any], **kwargs: Any) -> str:
+    def render(self, template: str, messages: Sequence[object], **kwargs: object) -> str:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._kill()
@@ -114,7 +113,7 @@ _PROCESS: TemplateProcess | None = None
 _PROCESS_LOCK = threading.Lock()
 
 
-def render_untrusted(template: str, messages: list[Any], **kwargs: Any) -> str:
+def render_untrusted(template: str, messages: Sequence[object], **kwargs: object) -> str:
     """`render_chat_template(template, messages, **kwargs)` in the limited child process."""
     global _PROCESS
     with _PROCESS_LOCK:

@@ -6,12 +6,13 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from tokenloom.tokenizer.gguf_builder import GGUFTokenizerInfo, build_gguf_tokenizer
 from tokenloom.tokenizer.gguf_metadata import read_gguf_metadata
@@ -37,13 +38,13 @@ def gguf_cache_key(path: str | os.PathLike[str]) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: JsonValue) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> JsonObject:
     if not path.is_file():
         return {}
     try:
@@ -52,7 +53,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise TokenizerError(f"cannot read {path}: {e}") from e
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: JsonValue) -> list[int]:
     if value is None:
         return []
     if isinstance(value, int):
@@ -210,12 +211,12 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[object],
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> str:
         """Render `messages` to a prompt string with the model's (or the given) chat template.
 
@@ -282,7 +283,7 @@ def _store_cached(key: str, inner: HFTokenizer, info: GGUFTokenizerInfo) -> None
         logger.warning("cannot write tokenizer cache in %s: %s", tok_path.parent, e)
 
 
-def _add_config_tokens(inner: HFTokenizer, config: dict[str, Any]) -> None:
+def _add_config_tokens(inner: HFTokenizer, config: JsonObject) -> None:
     """Register added tokens listed only in tokenizer_config.json."""
     for spec in (config.get("added_tokens_decoder") or {}).values():
         content = spec.get("content")
@@ -300,7 +301,7 @@ def _add_config_tokens(inner: HFTokenizer, config: dict[str, Any]) -> None:
 
 
 def _apply_add_special_flags(
-    inner: HFTokenizer, config: dict[str, Any], bos_id: int | None, eos_id: int | None
+    inner: HFTokenizer, config: JsonObject, bos_id: int | None, eos_id: int | None
 ) -> None:
     """Honour explicit add_bos_token / add_eos_token in tokenizer_config.json."""
     add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
@@ -327,7 +328,7 @@ def _apply_add_special_flags(
     )
 
 
-def _folder_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+def _folder_chat_template(folder: Path, config: JsonObject) -> str | None:
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -29,6 +29,7 @@ from tokenloom.distributed.expert_parallel import ExpertPlacement, expert_parall
 from tokenloom.distributed.parallel_state import all_reduce, tp_group
 from tokenloom.model.layers.linear_method import mixed_linear
 from tokenloom.model.layers.module import InferenceModule
+from tokenloom.model.layers.onednn_layout import pack_weight
 from tokenloom.profiler import PROFILER
 
 # A checkpoint tensor of the experts, after the model mapped its family's names (Mixtral's w1/w3/w2)
@@ -46,7 +47,6 @@ class UnquantizedMoEMethod:
     def pack(self, layer: "FusedMoE") -> bool:
         """Each expert's two weights in oneDNN's layout (measured here 1.15-1.7x per expert GEMM at 1-16 rows);
         the stacked originals are dropped, so the experts' memory does not double."""
-        from tokenloom.model.prepack import pack_weight
         if layer.packed is not None:
             return False
         w13 = [pack_weight(w) for w in layer.w13.data]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenloom.model.layers.onednn_layout import pack_weight
+
 
 class LinearMethod:
     """The interface: `cast` and `pack` run once after loading; `apply` on every forward."""
@@ -32,7 +34,6 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = torch.nn.Parameter(layer.weight.data.to(dtype), requires_grad=False)
 
     def pack(self, layer):
-        from tokenloom.model.prepack import pack_weight
         if layer.weight.is_mkldnn:
             return False
         layer.weight = torch.nn.Parameter(pack_weight(layer.weight.data), requires_grad=False)

@@ -3,8 +3,9 @@
 The loader puts a `QuantizedSlot` in place of each linear layer's (and the embedding's) weight, the
 parallel layers' own `load` code fills it with their shard, and `finalize_quantized` turns each slot
 into a `QuantizedWeight` with `QuantizedLinearMethod` (or back into a dense parameter when a piece came
-dense), kept in the column-interleaved form the kernels read fastest at any batch size. So tensor parallelism and quantization compose: a column-parallel layer narrows rows, a
-row-parallel one whole blocks of columns, the vocabulary layers rows.
+dense), kept in the column-interleaved form the kernels read fastest at any batch size. So tensor
+parallelism and quantization compose: a column-parallel layer narrows rows, a row-parallel one whole blocks
+of columns, the vocabulary layers rows.
 
 Two numeric paths, chosen by `--quantized-matmul`:
 - `exact` (default): float32 activations times the weight dequantized in registers; float32 results
@@ -14,11 +15,16 @@ Two numeric paths, chosen by `--quantized-matmul`:
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
+from tokenloom.config import ConfigError
+from tokenloom.model.layers.linear import Linear
 from tokenloom.model.layers.linear_method import UNQUANTIZED, LinearMethod
 from tokenloom.model.layers.quantized_weight import QuantizedSlot, QuantizedWeight
+from tokenloom.model.layers.vocab_parallel import VocabParallelEmbedding
 
 QUANTIZED_MATMUL_MODES = ("exact", "w4a8")
 
@@ -42,9 +48,7 @@ class QuantizedLinearMethod(LinearMethod):
 QUANTIZED = QuantizedLinearMethod()
 
 
-def _weight_modules(model: nn.Module):
-    from tokenloom.model.layers.linear import Linear
-    from tokenloom.model.layers.vocab_parallel import VocabParallelEmbedding
+def _weight_modules(model: nn.Module) -> Iterator[tuple[str, Linear | VocabParallelEmbedding]]:
     for name, module in model.named_modules():
         if isinstance(module, (Linear, VocabParallelEmbedding)):
             yield name, module
@@ -82,16 +86,9 @@ def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
 def set_quantized_matmul(model: nn.Module, mode: str) -> int:
     """Switch every quantized weight to the `exact` or `w4a8` path; returns how many there are."""
     if mode not in QUANTIZED_MATMUL_MODES:
-        from tokenloom.config import ConfigError
         raise ConfigError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMUL_MODES)} (got {mode!r})")
     weights = quantized_weights(model)
     for w in weights:
         w.activations_int8 = mode == "w4a8"
     return len(weights)
 
-
-def embedding_lookup(ids: torch.Tensor, weight) -> torch.Tensor:
-    """F.embedding for a dense or quantized table."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.embedding(ids)
-    return nn.functional.embedding(ids, weight)

@@ -23,6 +23,13 @@ from dataclasses import dataclass, replace
 import torch
 
 
+def _quant_ops():
+    """tokenloom.kernels.quant, on first use: importing it loads (or builds) the native library, and the loader
+    imports this module where no kernel runs (the EngineCore reading a model's shape)."""
+    from tokenloom.kernels import quant  # lazy: importing it loads (or builds) the native kernels
+    return quant
+
+
 @dataclass
 class Panels:
     """The column-interleaved form (tokenloom/kernels/quant.py `interleave`) of an [N, K] weight."""
@@ -67,8 +74,8 @@ class QuantizedWeight:
         """This weight holding only the interleaved form (the many-row kernels'; same bytes)."""
         if self.qweight is None:
             return self
-        from tokenloom.kernels.quant import interleave
-        qpacked, scales, mins = interleave(self.qweight, self.scales, self.mins, self.bits, self.block_size)
+        qpacked, scales, mins = _quant_ops().interleave(self.qweight, self.scales, self.mins, self.bits,
+                                                        self.block_size)
         return replace(self, qweight=None, scales=None, mins=None,
                        panels=Panels(qpacked, scales, mins, self.qweight.shape[0]))
 
@@ -76,10 +83,10 @@ class QuantizedWeight:
         """This weight in row-major blocks (rebuilt from the panels when only they are kept)."""
         if self.qweight is not None:
             return replace(self, panels=None) if self.panels is not None else self
-        from tokenloom.kernels.quant import pack_nibbles, panel_rows
-        p = self.panels
-        q, scales, mins = panel_rows(p.qpacked, p.scales, p.mins, self.bits, torch.arange(p.columns))
-        return replace(self, qweight=pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins, panels=None)
+        quant, p = _quant_ops(), self.panels
+        q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, torch.arange(p.columns))
+        return replace(self, qweight=quant.pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
+                       panels=None)
 
     # ---- sharding --------------------------------------------------------------
     def rows(self, start: int, size: int) -> QuantizedWeight:
@@ -89,9 +96,9 @@ class QuantizedWeight:
 
     def index_rows(self, index: torch.Tensor) -> QuantizedWeight:
         if self.qweight is None:
-            from tokenloom.kernels.quant import pack_nibbles, panel_rows
-            q, scales, mins = panel_rows(self.panels.qpacked, self.panels.scales, self.panels.mins, self.bits, index)
-            return replace(self, qweight=pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
+            quant, p = _quant_ops(), self.panels
+            q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, index)
+            return replace(self, qweight=quant.pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
                            panels=None)
         w = self.row_major()
         return replace(w, qweight=w.qweight[index], scales=w.scales[index], mins=w.mins[index])
@@ -117,8 +124,7 @@ class QuantizedWeight:
 
     def unpacked(self) -> torch.Tensor:
         """uint8 [N, K], one element a byte."""
-        from tokenloom.kernels.quant import unpacked
-        return unpacked(self.row_major().qweight, self.bits)
+        return _quant_ops().unpacked(self.row_major().qweight, self.bits)
 
     def in_form(self, bits: int, block_size: int) -> QuantizedWeight:
         """The same weights as `bits`/`block_size` blocks (only widening: 4->8 bits, 32->16 blocks)."""
@@ -137,9 +143,8 @@ class QuantizedWeight:
         return replace(w, qweight=w.qweight.contiguous(), scales=w.scales.contiguous(), mins=w.mins.contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from tokenloom.kernels.quant import dequantize
         w = self.row_major()
-        return dequantize(w.qweight, w.scales, w.mins, self.bits, self.block_size).to(dtype)
+        return _quant_ops().dequantize(w.qweight, w.scales, w.mins, self.bits, self.block_size).to(dtype)
 
     def to(self, target) -> QuantizedWeight | torch.Tensor:
         """A device: this weight (CPU only); a dtype: the dense weight in it (the matmul-dtype modes)."""
@@ -169,6 +174,13 @@ class QuantizedWeight:
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows of ``ids`` (an embedding lookup), float32."""
         return self.index_rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, self.shape[1])
+
+
+def embedding_lookup(ids: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    """F.embedding for a dense or quantized table."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.embedding(ids)
+    return torch.nn.functional.embedding(ids, weight)
 
 
 def common_form(weights: list[QuantizedWeight]) -> tuple[int, int]:

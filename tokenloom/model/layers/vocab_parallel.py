@@ -13,7 +13,7 @@ from torch import nn
 from tokenloom.distributed.parallel_state import all_reduce, gather_to_first, tp_group
 from tokenloom.model.layers.linear import Linear
 from tokenloom.model.layers.module import InferenceModule
-from tokenloom.model.layers.quantized_linear import embedding_lookup
+from tokenloom.model.layers.quantized_weight import embedding_lookup
 
 
 def _rows_per_rank(vocab_size: int, size: int) -> int:

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from tokenloom import kernels
 from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
+from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
+from tokenloom.model.loader import weight_cache
+from tokenloom.model.loader.safetensors_loader import HFModelFolder
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
@@ -28,15 +32,20 @@ class LoadedModel:
     seconds: float
 
 
+def _gguf_loader():
+    """tokenloom.model.loader.gguf_loader, on first use: it imports the native kernels, which load (or build) at
+    import, and an HF folder or a cached entry needs none of it."""
+    from tokenloom.model.loader import gguf_loader  # lazy: imports the native kernels, which load at import
+    return gguf_loader
+
+
 def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
     """The weights' source: an HF folder, a weight-cache entry (dense in `dtype`, or the repacked blocks when
     `quantized`), or the GGUF file itself."""
     if os.path.isdir(path):
-        from tokenloom.model.loader.safetensors_loader import HFModelFolder
         return HFModelFolder(path)
-    from tokenloom.model.loader.gguf_loader import GGUFModelFile
-    from tokenloom.model.loader.weight_cache import QUANTIZED, CachedWeights
-    return CachedWeights.lookup(path, QUANTIZED if quantized else dtype) or GGUFModelFile(path)
+    cached = weight_cache.CachedWeights.lookup(path, weight_cache.QUANTIZED if quantized else dtype)
+    return cached or _gguf_loader().GGUFModelFile(path)
 
 
 def read_arch_config(model: str | None) -> ArchConfig:
@@ -49,7 +58,6 @@ def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool
     activations) rather than dequantized to dense float (the torch path, TOKENLOOM_KERNELS=off)."""
     if device.type != "cpu" or dtype != torch.float32 or os.path.isdir(path):
         return False
-    from tokenloom import kernels
     return kernels.load()
 
 
@@ -61,8 +69,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     path = resolve_model_path(model)
     if quantized is None:
         quantized = keeps_quantized(path, device, dtype)
-    from tokenloom.model.loader import weight_cache
-    from tokenloom.model.loader.gguf_loader import GGUFModelFile
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
@@ -73,11 +79,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     _materialize(net, device)
     net = net.to(dtype)
     _reset_buffers(net, device)
-    from tokenloom.model.layers import quantized_linear
     expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
     if quantized:
         quantized_linear.install_slots(net)
-    fill_cache = isinstance(source, GGUFModelFile) and tp_group().is_first  # one writer per entry
+    gguf_loader = _gguf_loader()
+    fill_cache = isinstance(source, gguf_loader.GGUFModelFile) and tp_group().is_first  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
@@ -85,7 +91,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     if not quantized:
         tensors = source.tensors(dtype)
-    elif isinstance(source, GGUFModelFile):
+    elif isinstance(source, gguf_loader.GGUFModelFile):
         tensors = source.tensors(dtype, quantized=True)
     else:
         tensors = weight_cache.unflatten_quantized(source.tensors(dtype))
@@ -100,9 +106,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
         raise ValueError(f"{path}: no tensors found")
     missing = sorted(expected - seen)
     if missing:  # the parameters they fill would be left as uninitialized memory
-        from tokenloom.model.loader.gguf_loader import CorruptModelError
-        raise CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): {', '.join(missing[:5])}"
-                                f"{', ...' if len(missing) > 5 else ''}")
+        raise gguf_loader.CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): "
+                                            f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
     if quantized:
         quantized_linear.finalize_quantized(net, dtype)
         move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
@@ -130,7 +135,7 @@ def _materialize(net: torch.nn.Module, device: torch.device) -> None:
 
 def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
     """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
-    from tokenloom.model.layers.rotary import RotaryEmbedding
+    from tokenloom.model.layers.rotary import RotaryEmbedding  # lazy: imports the native kernels (layer ops)
     rebuilt: dict[tuple, RotaryEmbedding] = {}  # one table per distinct rotary (Gemma 3: local and global)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):

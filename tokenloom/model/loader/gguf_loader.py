@@ -3,10 +3,11 @@ native kernels)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
@@ -53,7 +54,6 @@ class GGUFModelFile:
     """A GGUF file opened with the `gguf` package's reader (memory-mapped, copy-on-write)."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
         self.path = path
         try:
             # Copy-on-write mapping: the arrays it hands out are writable (torch.from_numpy warns on a read-only
@@ -61,7 +61,7 @@ class GGUFModelFile:
             self.reader = GGUFReader(path, mode="c")
         except Exception as exc:  # the reader raises assorted errors on a bad file
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from None
-        self.metadata: dict[str, Any] = {}
+        self.metadata: dict[str, object] = {}  # GGUF values; the token list as a range of its length
         for key, field in self.reader.fields.items():
             if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                        "tokenizer.ggml.scores"):
@@ -82,7 +82,6 @@ class GGUFModelFile:
     def tensors(self, dtype: torch.dtype, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor; with `quantized`, 2-D weights in a type the native kernels
         multiply (gguf_repack.SUPPORTED) come as QuantizedWeight, repacked from their blocks."""
-        from gguf import GGMLQuantizationType, quants
         cfg = self.arch_config
         for t in self.reader.tensors:
             if quantized and t.tensor_type.name in SUPPORTED and len(t.shape) == 2:

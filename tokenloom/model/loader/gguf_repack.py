@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf.quants import Q4_K
 
 from tokenloom.kernels.quant import pack_nibbles
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
@@ -59,7 +60,6 @@ def repack_q5_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per 32-value sub-block of a Q4_K/Q5_K super-block: (d*sc, -dmin*m), float32 [n, 8]."""
-    from gguf.quants import Q4_K
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))

@@ -7,6 +7,7 @@ import os
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 
 from tokenloom.model.arch_config import ArchConfig
 
@@ -29,7 +30,6 @@ class HFModelFolder:
 
     @property
     def num_tensors(self) -> int:
-        from safetensors import safe_open
         total = 0
         for file in self.files:
             with safe_open(file, framework="pt") as f:
@@ -37,7 +37,6 @@ class HFModelFolder:
         return total
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():

@@ -19,8 +19,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from tokenloom.config import ConfigError
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.quantized_weight import QuantizedWeight
 
 _FORMAT = 3  # 3: Q5_0 weights kept quantized (a format-2 entry holds them dense)
 _SAMPLES = 16  # blocks read across the file for its fingerprint
@@ -41,7 +45,6 @@ def max_bytes() -> int:
     try:
         gb = float(raw) if raw else DEFAULT_MAX_GB
     except ValueError:
-        from tokenloom.config import ConfigError
         raise ConfigError(f"TOKENLOOM_WEIGHT_CACHE_MAX_GB={raw!r} is not a number") from None
     return int(gb * 2 ** 30)
 
@@ -81,7 +84,6 @@ class CachedWeights:
         with open(f"{stem}.json") as f:
             meta = json.load(f)
         self.arch_config = ArchConfig(**meta["arch"])
-        from safetensors import safe_open
         with safe_open(f"{stem}.safetensors", framework="pt") as f:
             self.num_tensors = len(f.keys())
 
@@ -100,7 +102,6 @@ class CachedWeights:
         return None
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
         with safe_open(f"{self.stem}.safetensors", framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -112,7 +113,6 @@ _PART = "#"  # a quantized weight is stored as <name>#<bits>.<block>.<qweight|sc
 
 def flatten_quantized(tensors: dict) -> dict[str, torch.Tensor]:
     """Tensors and QuantizedWeights by name -> plain tensors by name, for safetensors."""
-    from tokenloom.model.layers.quantized_weight import QuantizedWeight
     flat = {}
     for name, t in tensors.items():
         if isinstance(t, QuantizedWeight):
@@ -125,7 +125,6 @@ def flatten_quantized(tensors: dict) -> dict[str, torch.Tensor]:
 
 def unflatten_quantized(flat: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
     """The inverse of flatten_quantized, over a cache entry's tensors."""
-    from tokenloom.model.layers.quantized_weight import QuantizedWeight
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in flat:
         if _PART not in key:
@@ -155,7 +154,6 @@ def store(path: str, dtype: torch.dtype | str, arch: ArchConfig, tensors: dict[s
     if not enabled():
         return
     tensors = flatten_quantized(tensors)
-    from safetensors.torch import save_file
     stem = entry_stem(path, dtype)
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)

@@ -1,1 +1,1 @@
-from tokenloom.model.models import bert, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: F401  (registration)  # noqa: F401  (mixture of experts)
+from tokenloom.model.models import bert, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: F401  (each registers itself)

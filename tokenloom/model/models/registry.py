@@ -14,7 +14,7 @@ def register(name: str):
 
 
 def model_class(architecture: str) -> type:
-    import tokenloom.model.models  # noqa: F401  (imports every model file)
+    import tokenloom.model.models  # noqa: F401  # lazy: the model files import this registry to register themselves
     if architecture not in _MODELS:
         raise UnsupportedModelError(f"unsupported architecture {architecture!r} "
                                     f"(supported: {', '.join(sorted(_MODELS))})")
