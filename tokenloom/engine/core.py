@@ -12,7 +12,8 @@ from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.request import Request
 from tokenloom.engine.faults import FaultInjector, recover_failed_step
-from tokenloom.executor.base import Executor, make_executor
+from tokenloom.executor.base import Executor
+from tokenloom.executor.factory import make_executor
 from tokenloom.kv_transfer.factory import make_scheduler_connector
 from tokenloom.profiler import PROFILER
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager

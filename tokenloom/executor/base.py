@@ -1,7 +1,6 @@
 """The executor interface: how the EngineCore reaches its workers, wherever they run."""
 from __future__ import annotations
 
-from tokenloom.config import EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.worker.worker_info import WorkerInfo
 
@@ -26,10 +25,3 @@ class Executor:
     def shutdown(self) -> None:
         raise NotImplementedError
 
-
-def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
-    if config.parallel.executor_backend == "uni":
-        from tokenloom.executor.uni import UniExecutor
-        return UniExecutor(config, progress)
-    from tokenloom.executor.mp import MultiprocExecutor
-    return MultiprocExecutor(config, progress)
