@@ -26,14 +26,6 @@ MAX_LOCAL_IMPORTS = 40
 MAX_ANY = 30
 LAZY_MARK = "# lazy:"
 
-# File circles that are known and being removed, each as the set of its modules.
-ALLOWED_CIRCLES: set[frozenset[str]] = {
-    # The attention backend module and the native backend import each other; that circle is being removed.
-    # The only exception: delete it once the circle is gone.
-    frozenset({"tokenloom.model.layers.attention_backend", "tokenloom.model.layers.attention_native"}),
-}
-
-
 def _python_files() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
@@ -119,8 +111,7 @@ def test_the_strongly_connected_components_helper_finds_circles():
 def test_no_two_files_import_each_other():
     """A file circle means neither file can be read, tested or imported without the other."""
     edges = _import_edges()
-    circles = [component for component in _strongly_connected_components(edges) if len(component) > 1
-               and frozenset(component) not in ALLOWED_CIRCLES]
+    circles = [component for component in _strongly_connected_components(edges) if len(component) > 1]
     described = []
     for component in circles:
         members = set(component)

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.model.layers.linear import Linear, mixed_linear
 
 
@@ -33,7 +34,6 @@ def matmul_seconds(model: torch.nn.Module, batch: int, repeats: int = 5) -> floa
 
 def profile_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     """Fill the engine with `batch` requests, then time pure decode steps."""
-    from tokenloom.core.sampling_params import SamplingParams
     engine = llm.engine
     prompts = torch.randint(100, 1000, (batch, context)).tolist()
     llm._add(prompts, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True), None)

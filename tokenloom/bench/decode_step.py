@@ -13,6 +13,9 @@ import time
 import torch
 
 from tokenloom.config import EngineConfig, add_engine_args
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.engine.core import EngineCore
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -26,9 +29,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_decode(ns) -> int:
-    from tokenloom.core.messages import EngineCoreRequest
-    from tokenloom.core.sampling_params import SamplingParams
-    from tokenloom.engine.core import EngineCore
 
     config = EngineConfig.from_args(ns)
     core = EngineCore(config)

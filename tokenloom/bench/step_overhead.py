@@ -17,11 +17,12 @@ import time
 import torch
 
 from tokenloom.config import EngineConfig, add_engine_args
+from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.engine.core import EngineCore
 
 
 def _fill(core, context: int) -> None:
-    from tokenloom.core.messages import EngineCoreRequest
-    from tokenloom.core.sampling_params import SamplingParams
     prompt = torch.randint(100, core.info.vocab_size - 100, (context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -72,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    from tokenloom.engine.core import EngineCore
     core = EngineCore(EngineConfig.from_args(ns))
     try:
         _fill(core, ns.context)

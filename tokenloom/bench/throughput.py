@@ -6,7 +6,12 @@ import time
 
 import torch
 
+from tokenloom.bench.decode_profile import profile_decode
+from tokenloom.bench.hf_baseline import run_transformers
 from tokenloom.config import EngineConfig
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.entrypoints.llm import LLM
+from tokenloom.profiler import PROFILER
 
 
 def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -15,8 +20,6 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int
 
 
 def run_throughput(ns) -> int:
-    from tokenloom.core.sampling_params import SamplingParams
-    from tokenloom.entrypoints.llm import LLM
 
     config = EngineConfig.from_args(ns)
     flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel)}
@@ -24,7 +27,6 @@ def run_throughput(ns) -> int:
     prompts = _random_prompts(ns.num_prompts, ns.input_len, llm.engine.info.vocab_size, ns.bench_seed)
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    from tokenloom.profiler import PROFILER
     PROFILER.reset()
     PROFILER.enabled = ns.profile
     start = time.perf_counter()
@@ -46,7 +48,6 @@ def run_throughput(ns) -> int:
         print(f"step profile over {PROFILER.steps} steps:\n{PROFILER.format()}")
         results["step_profile"] = PROFILER.report()
     if ns.decode_profile:
-        from tokenloom.bench.decode_profile import profile_decode
         results["decode_profile"] = profile_decode(llm, ns.decode_profile, ns.input_len)
         d = results["decode_profile"]
         if "matmul_ms" in d:
@@ -57,7 +58,6 @@ def run_throughput(ns) -> int:
     if ns.compare_transformers:
         import torch
 
-        from tokenloom.bench.hf_baseline import run_transformers
         hf = run_transformers(llm.engine.info.model_path, prompts, ns.output_len, ns.transformers_batch,
                               getattr(torch, ns.transformers_dtype))
         results["transformers"] = hf
