@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProcess
 
 CLI = [sys.executable, "-m", "tokenloom.entrypoints.cli"]

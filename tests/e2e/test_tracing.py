@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.engine.async_llm import AsyncLLM, RequestTimeoutError
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.request_errors import RequestTimeoutError
 from tokenloom.tracing import SPAN_NAME, init_tracer
 from tokenloom.tracing import SpanAttributes as A
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenloom.entrypoints.openai.serving_engine import DisconnectAwareStreamingResponse
+from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse
 
 
 def _run(response, send, timeout=10.0):

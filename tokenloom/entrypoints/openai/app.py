@@ -26,10 +26,11 @@ from tokenloom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenloom.entrypoints.openai.request_admission import AdmissionMiddleware
+from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
-from tokenloom.entrypoints.openai.serving_engine import AdmissionMiddleware, ServerState
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20

@@ -20,6 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.dp_client import ReplicaUnavailableError
+from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError
+from tokenloom.entrypoints.openai.server_state import ServerShuttingDownError
+
 logger = logging.getLogger("tokenloom.server")
 
 
@@ -74,6 +79,24 @@ class ServiceUnavailableError(APIError):
 def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def engine_error_to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerShuttingDownError):
+        return ServiceUnavailableError(str(exc), code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, ReplicaUnavailableError):
+        return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
+    if isinstance(exc, DuplicateRequestIdError):
+        return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
+    if isinstance(exc, RequestFailedError):
+        return ServerError(f"the engine failed this request: {exc}", code="engine_error")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(str(exc), status_code=504, error_type="timeout_error", code="request_timeout")
+    return ServerError(f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
 def error_response(status: int, message: str, error_type: str | None = None, param: str | None = None,

@@ -8,14 +8,13 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
+from tokenloom.entrypoints.openai.formatting import chat_logprobs, completion_tokens, prompt_logprobs, usage_body
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenloom.entrypoints.openai.serving_engine import (
+from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
+from tokenloom.entrypoints.openai.streaming import (
     SSE_DONE,
     DisconnectAwareStreamingResponse,
-    OpenAIServing,
-    completion_tokens,
-    engine_error_to_api_error,
     run_cancellable,
     sse,
     stream_error_chunk,
@@ -135,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
                 "stop_reason": o.stop_reason,
             }
             if request.logprobs and o.logprobs is not None:
-                choice["logprobs"] = {"content": self.chat_logprobs(o.token_ids, o.logprobs,
+                choice["logprobs"] = {"content": chat_logprobs(self.tokenizer, o.token_ids, o.logprobs,
                                                                     request.top_logprobs or 0)}
             if request.return_token_ids:
                 choice["token_ids"] = list(o.token_ids)
@@ -143,12 +142,12 @@ class OpenAIServingChat(OpenAIServing):
         body: dict[str, Any] = {
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
             "system_fingerprint": self.system_fingerprint, "choices": choices,
-            "usage": self.usage(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
+            "usage": usage_body(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = list(final.prompt_token_ids)
         if request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs(final)
+            body["prompt_logprobs"] = prompt_logprobs(final)
         if final.kv_transfer_params is not None:  # a prefill instance's answer (PD)
             body["kv_transfer_params"] = final.kv_transfer_params
         return body
@@ -182,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens = len(out.prompt_token_ids)
                 cached = out.num_cached_tokens
                 generated = completion_tokens(out)
-                usage = self.usage(prompt_tokens, generated, cached) if continuous else None
+                usage = usage_body(prompt_tokens, generated, cached) if continuous else None
                 if first:
                     first = False
                     for i in range(n):
@@ -191,7 +190,7 @@ class OpenAIServingChat(OpenAIServing):
                         if request.return_token_ids and i == 0:
                             choice["prompt_token_ids"] = list(out.prompt_token_ids)
                         yield self._chunk(request_id, created, [choice],
-                                          self.usage(prompt_tokens, 0, cached) if continuous else None,
+                                          usage_body(prompt_tokens, 0, cached) if continuous else None,
                                           include_usage)
                 for o in out.outputs:
                     i = o.index
@@ -207,7 +206,7 @@ class OpenAIServingChat(OpenAIServing):
                     if o.finish_reason is not None:
                         choice["stop_reason"] = o.stop_reason
                     if request.logprobs and o.logprobs is not None:
-                        choice["logprobs"] = {"content": self.chat_logprobs(
+                        choice["logprobs"] = {"content": chat_logprobs(self.tokenizer,
                             new_ids, o.logprobs[sent_tokens[i]:], request.top_logprobs or 0)}
                     if request.return_token_ids:
                         choice["token_ids"] = list(new_ids)
@@ -216,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                     done[i] = o.finish_reason is not None
                     yield self._chunk(request_id, created, [choice], usage, include_usage)
             if include_usage:
-                yield self._chunk(request_id, created, [], self.usage(prompt_tokens, generated, cached))
+                yield self._chunk(request_id, created, [], usage_body(prompt_tokens, generated, cached))
         except Exception as e:  # noqa: BLE001 - the stream ends with an error chunk, then [DONE]
             yield stream_error_chunk(e)
         yield SSE_DONE
