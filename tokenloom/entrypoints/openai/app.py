@@ -19,7 +19,8 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.entrypoints.openai.errors import BodyGuardMiddleware, NotFoundError, error_body, install_error_handlers
+from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
+from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

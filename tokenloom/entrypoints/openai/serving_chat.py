@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.core.json_value import JsonObject
+from tokenloom.engine.input_processor import encode_text
 from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
 from tokenloom.entrypoints.openai.formatting import chat_logprobs, completion_tokens, prompt_logprobs, usage_body
-from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
 from tokenloom.entrypoints.openai.streaming import (
     SSE_DONE,
@@ -21,6 +23,8 @@ from tokenloom.entrypoints.openai.streaming import (
 )
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints, template_tools
 from tokenloom.outputs import RequestOutput
+from tokenloom.tokenizer.chat_template import ChatTemplateError
+from tokenloom.tokenizer.template_process import render_untrusted
 
 # Names the renderer takes itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents", "continue_final_message",
@@ -29,15 +33,13 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "docu
 
 class OpenAIServingChat(OpenAIServing):
 
-    def render_prompt(self, request: Any) -> tuple[str, list[int]]:
+    def render_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). Template errors are 400s.
 
         Blocking (template rendering and tokenization): the handlers call it via `render_prompt_async`.
         A template sent with the request is refused unless the server trusts request templates
         (--trust-request-chat-template, vLLM's flag); trusted, it renders in a separate process with
         memory and time limits (tokenizer/template_process.py)."""
-        from tokenloom.tokenizer.chat_template import ChatTemplateError
-
         custom = request.chat_template
         if custom is None and not self.tokenizer.chat_template:
             raise BadRequestError("this model has no chat template (a base model): use /v1/completions, or start "
@@ -60,8 +62,6 @@ class OpenAIServingChat(OpenAIServing):
                                   param="chat_template_kwargs", code="invalid_value")
         try:
             if custom is not None and custom != self.tokenizer.chat_template:
-                from tokenloom.tokenizer.template_process import render_untrusted
-
                 tok = self.tokenizer
                 special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
                 documents = kwargs.pop("documents", None)
@@ -79,11 +79,9 @@ class OpenAIServingChat(OpenAIServing):
             param = "chat_template" if custom else "messages"
             message = str(e) if str(e).startswith("chat template") else f"chat template failed: {e}"
             raise BadRequestError(message, param=param, code="invalid_value") from None
-        from tokenloom.engine.input_processor import encode_text
-
         return text, encode_text(self.tokenizer, text, add_special_tokens=False)
 
-    async def render_prompt_async(self, request: Any) -> tuple[str, list[int]]:
+    async def render_prompt_async(self, request: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """`render_prompt` off the event loop: a slow render never holds up other requests."""
         return await asyncio.to_thread(self.render_prompt, request)
 
@@ -114,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------ non-streamed
 
     async def _full(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
-                    created: int) -> dict[str, Any]:
+                    created: int) -> JsonObject:
         final: RequestOutput | None = None
         try:
             async for out in gen:
@@ -126,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
         for o in final.outputs:
             message, finish_reason = ChatOutputParser(request, self.engine.config, final.prompt or "").message(
                 o.text, o.finish_reason)
-            choice: dict[str, Any] = {
+            choice: JsonObject = {
                 "index": o.index,
                 "message": message,
                 "logprobs": None,
@@ -139,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.return_token_ids:
                 choice["token_ids"] = list(o.token_ids)
             choices.append(choice)
-        body: dict[str, Any] = {
+        body: JsonObject = {
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
             "system_fingerprint": self.system_fingerprint, "choices": choices,
             "usage": usage_body(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
@@ -154,9 +152,9 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None, with_usage_key: bool = False) -> str:
-        body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+               usage: JsonObject | None = None, with_usage_key: bool = False) -> str:
+        body: JsonObject = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                                 "model": self.model_name, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
@@ -185,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
                 if first:
                     first = False
                     for i in range(n):
-                        choice: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
+                        choice: JsonObject = {"index": i, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}
                         if request.return_token_ids and i == 0:
                             choice["prompt_token_ids"] = list(out.prompt_token_ids)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.core.json_value import JsonObject, JsonValue
 from tokenloom.entrypoints.openai.errors import engine_error_to_api_error
 from tokenloom.entrypoints.openai.formatting import completion_logprobs, completion_tokens, prompt_logprobs, usage_body
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
@@ -83,8 +84,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return lp
 
     def _choice(self, request: CompletionRequest, index: int, text: str, o: CompletionOutput,
-                logprobs: Any, finish: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                logprobs: JsonValue, finish: bool) -> JsonObject:
+        choice: JsonObject = {"index": index, "text": text, "logprobs": logprobs,
                                   "finish_reason": o.finish_reason if finish else None}
         if finish:
             choice["stop_reason"] = o.stop_reason
@@ -93,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------ non-streamed
 
     async def _full(self, request: CompletionRequest, gens: list[AsyncIterator[RequestOutput]],
-                    prompt_texts: list[str], request_id: str, created: int) -> dict[str, Any]:
+                    prompt_texts: list[str], request_id: str, created: int) -> JsonObject:
         finals: list[RequestOutput | None] = [None] * len(gens)
         try:
             async for i, out in merge_generators(gens):
@@ -127,9 +128,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None, with_usage_key: bool) -> str:
-        body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+               usage: JsonObject | None, with_usage_key: bool) -> str:
+        body: JsonObject = {"id": request_id, "object": "text_completion", "created": created,
                                 "model": self.model_name, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
@@ -148,7 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and request.continuous_usage
         latest: list[RequestOutput | None] = [None] * len(gens)
 
-        def usage_now() -> dict[str, Any]:
+        def usage_now() -> JsonObject:
             outs = [ro for ro in latest if ro is not None]
             return usage_body(sum(len(ro.prompt_token_ids) for ro in outs), sum(completion_tokens(ro) for ro in outs),
                               sum(ro.num_cached_tokens for ro in outs))
