@@ -330,7 +330,7 @@ class StartupError(RuntimeError):
 
 def _check_device(device: str) -> None:
     if device.startswith("cuda"):
-        import torch
+        import torch  # lazy: only --device cuda needs it, the API process does not otherwise
         if not torch.cuda.is_available():
             raise StartupError(f"--device {device}: no CUDA device is available (use --device cpu)")
 
