@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import greedy_params, random_prompts
 
 pytestmark = pytest.mark.kernels
