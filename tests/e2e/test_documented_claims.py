@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+
 from server_harness import ServerProcess
 
 CLI = [sys.executable, "-m", "tokenloom.entrypoints.cli"]
