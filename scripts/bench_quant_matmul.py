@@ -2,7 +2,7 @@
 
 Per shape and row count (1, 32, 256, 512): dense float32 (today's oneDNN-prepacked weight), dense bfloat16
 (`--bf16`; slow on a CPU without AVX512-BF16), the row-major kernels (`quant_matmul`, `quant_matmul_a8`) and
-the column-interleaved ones (`quant_gemm`, `quant_gemm_a8`: what the model runs since issue 15's
+the column-interleaved ones (`quant_gemm`, `quant_gemm_a8`: what the model runs, an
 interleaved GEMM). Microseconds a call, best of 7, all variants interleaved in one process; ratios are
 dense f32 over the variant; the variants take turns (round robin) so load spikes hit them alike. Then the
 forward at 1 and 32 single-token rows: dense, exact, W4A8.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tokenloom and llama.cpp side by side on one GGUF, in one run (issue 15's and 18's comparisons):
+# tokenloom and llama.cpp side by side on one GGUF, in one run:
 # llama-bench pp512/tg128 against tokenloom's offline prefill, then llama-server and tokenloom serve up
 # at once, `tokenloom bench serve` at concurrency 1 and 32 against each in turn (llama.cpp first, then
 # tokenloom, then the same again in the other order, on fresh prompts: neither prefix cache hits), then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory of tokenloom's engine process and of llama-server at a 4,096-token context, one sequence
-# (issue 15: engine RSS at most 1.5x llama-server's on the same GGUF and context).
+# (the goal: engine RSS at most 1.5x llama-server's on the same GGUF and context).
 #
 # Both servers up at once (llama-server -t 2 -c 4096 -np 1; tokenloom serve --max-model-len 4096), then
 # RSS now / peak (VmRSS / VmHWM, MiB) of llama-server and of tokenloom's engine (the child of

@@ -1,6 +1,6 @@
 """How many long requests a sliding-window model keeps running in one KV cache: with the blocks behind
 the window freed (tokenloom's default when every layer is windowed, as in Mistral) against kept (as
-before issue 18), side by side in one run.
+before blocks were freed behind the window), side by side in one run.
 
 The model is a tiny random Mistral-shaped one (2 layers, window 512) so that its speed hardly matters:
 what is measured is the real engine's block accounting (scheduler, KV cache manager, block pool) under
@@ -37,7 +37,7 @@ def run(folder: str, args, release: bool) -> dict:
     core = EngineCore(EngineConfig.from_kwargs(
         model=folder, device="cpu", dtype="float32", num_blocks=args.num_blocks, block_size=16,
         max_num_seqs=args.requests, max_num_batched_tokens=512, log_stats_interval=0), progress=False)
-    if not release:  # the accounting before issue 18: every block kept until the request ends
+    if not release:  # the accounting without the window release: every block kept until the request ends
         core.kv_manager = core.scheduler.kv = KVCacheManager(args.num_blocks, 16, True, None)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -19,7 +19,7 @@ one process never clash). The frontend feeds it:
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -33,6 +33,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tokenloom.core.stats import EngineStats
 
 # No `*_created` series next to every counter (vLLM does the same).
 disable_created_metrics()
@@ -73,7 +75,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, cache_info: dict[str, Any] | None = None,
+    def __init__(self, model_name: str, cache_info: dict[str, str | int | bool] | None = None,
                  registry: CollectorRegistry | None = None, prefix: str | None = None,
                  max_model_len: int | None = None, engines: int = 1) -> None:
         if registry is None:
@@ -102,7 +104,7 @@ class ServerMetrics:
         # `engine` label; with one engine they keep the label set single-engine dashboards expect.
         self.engines = max(1, engines)
         engine_labels = labels + (["engine"] if self.engines > 1 else [])
-        self._families: dict[str, Any] = {}
+        self._families: dict[str, Gauge | Counter] = {}
 
         def family(kind, attr, name, doc):
             self._families[attr] = kind(prefix + name, doc, engine_labels, registry=r)
@@ -182,7 +184,7 @@ class ServerMetrics:
         self._engine_counters: dict[tuple[int, str], float] = {}
         # Callables (name, value) told of each raw latency sample ("ttft", "tpot", "e2e"), for the
         # web page's last-minute percentiles (histograms only keep buckets).
-        self.listeners: list = []
+        self.listeners: list[Callable[[str, float], None]] = []
 
     # -------------------------------------------------------------- engine side
 
@@ -196,27 +198,20 @@ class ServerMetrics:
     def engine_healthy_of(self, engine: int):
         return self._child("engine_healthy", engine)
 
-    def observe_engine_stats(self, stats: dict[str, Any], engine: int = 0) -> None:
+    def observe_engine_stats(self, stats: EngineStats, engine: int = 0) -> None:
         """One engine's (replica's) stats after a step or heartbeat."""
-        if not stats:
-            return
         child = lambda attr: self._child(attr, engine)  # noqa: E731
-        if "num_running" in stats:
-            child("num_requests_running").set(stats["num_running"])
-        if "num_waiting" in stats:
-            child("num_requests_waiting").set(stats["num_waiting"])
-        usage = stats.get("kv_cache_usage")
-        if usage is not None:
-            child("kv_cache_usage_perc").set(usage)
-        if stats.get("kv_blocks_used") is not None:
-            child("kv_cache_used_blocks").set(stats["kv_blocks_used"])
+        child("num_requests_running").set(stats.num_running)
+        child("num_requests_waiting").set(stats.num_waiting)
+        child("kv_cache_usage_perc").set(stats.kv_cache_usage)
+        child("kv_cache_used_blocks").set(stats.kv_blocks_used)
         for key, attrs in (("prefix_cache_queries", ("prefix_cache_queries", "gpu_prefix_cache_queries")),
                            ("prefix_cache_hits", ("prefix_cache_hits", "gpu_prefix_cache_hits")),
                            ("num_preemptions", ("num_preemptions",)),
                            ("spec_num_drafts", ("spec_decode_num_drafts",)),
                            ("spec_num_draft_tokens", ("spec_decode_num_draft_tokens",)),
                            ("spec_num_accepted_tokens", ("spec_decode_num_accepted_tokens",))):
-            value = stats.get(key)
+            value = getattr(stats, key)
             if value is None:
                 continue
             last = self._engine_counters.get((engine, key), 0.0)
@@ -224,13 +219,18 @@ class ServerMetrics:
                 for attr in attrs:
                     child(attr).inc(value - last)
             self._engine_counters[(engine, key)] = max(last, float(value))
-        for pos, value in enumerate(stats.get("spec_num_accepted_tokens_per_pos") or ()):
+        for pos, value in enumerate(stats.spec_num_accepted_tokens_per_pos or ()):
             key = (engine, f"spec_per_pos_{pos}")
             last = self._engine_counters.get(key, 0.0)
             if value > last:
                 labels = (self.model_name, str(engine)) if self.engines > 1 else (self.model_name,)
                 self._spec_per_pos.labels(*labels, str(pos)).inc(value - last)
             self._engine_counters[key] = max(last, float(value))
+
+    def observe_engine_stopped(self, engine: int = 0) -> None:
+        """A dead engine (replica) runs and queues nothing."""
+        self._child("num_requests_running", engine).set(0)
+        self._child("num_requests_waiting", engine).set(0)
 
     def reset_engine_counters(self, engine: int | None = None) -> None:
         """A new engine process (one replica, or all with None) counts from zero again."""

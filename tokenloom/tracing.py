@@ -2,16 +2,21 @@
 
 One SERVER span per finished request, named ``llm_request`` with vLLM's attribute names
 (``gen_ai.*``), created when the request ends with its start set to the arrival time, so
-nothing is kept or computed per request while it runs. When the flag is not given, this
-module is never imported and the opentelemetry packages are not needed: tracing costs
-nothing when off. A request that fails (engine error, timeout, abort) gets an error status.
+nothing is kept or computed per request while it runs. When the flag is not given, the
+opentelemetry packages are never imported (nor needed): tracing costs nothing when off.
+A request that fails (engine error, timeout, abort) gets an error status.
 
 Install: ``pip install opentelemetry-sdk opentelemetry-exporter-otlp`` (or the ``tracing``
 extra). Tests use the SDK's in-memory exporter through `init_tracer(exporter=...)`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, Sequence, Union
+
+from tokenloom.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 SPAN_NAME = "llm_request"
 
@@ -38,11 +43,27 @@ class SpanAttributes:
     GEN_AI_RESPONSE_FINISH_REASON = "gen_ai.response.finish_reasons"
 
 
+# An OpenTelemetry attribute's value.
+AttributeValue = Union[str, bool, int, float, Sequence[str]]
+
+
+class Span(Protocol):
+    def set_status(self, status: object) -> None: ...
+    def end(self, end_time: int | None = None) -> None: ...
+
+
+class SpanTracer(Protocol):
+    """What this module needs of an OpenTelemetry tracer (opentelemetry.trace.Tracer has it)."""
+
+    def start_span(self, name: str, *, kind: object, attributes: dict[str, AttributeValue],
+                   start_time: int) -> Span: ...
+
+
 class TracingUnavailableError(RuntimeError):
     """--otlp-traces-endpoint was given but the OpenTelemetry packages are not installed."""
 
 
-def init_tracer(name: str, endpoint: str | None = None, exporter: Any = None) -> Any:
+def init_tracer(name: str, endpoint: str | None = None, exporter: SpanExporter | None = None) -> SpanTracer:
     """A tracer exporting to the OTLP `endpoint` (gRPC, or HTTP when the URL ends in /v1/traces), or to
     `exporter` (tests: the SDK's InMemorySpanExporter, exported synchronously)."""
     try:
@@ -67,15 +88,15 @@ def init_tracer(name: str, endpoint: str | None = None, exporter: Any = None) ->
     return provider.get_tracer(name)
 
 
-def record_request_span(tracer: Any, *, request_id: str, model: str | None, arrival: float, end: float,
-                        params: Any, prompt_tokens: int, completion_tokens: int, finish_reason: str,
+def record_request_span(tracer: SpanTracer, *, request_id: str, model: str | None, arrival: float, end: float,
+                        params: SamplingParams | None, prompt_tokens: int, completion_tokens: int, finish_reason: str,
                         queue: float | None = None, ttft: float | None = None, prefill: float | None = None,
                         decode: float | None = None, error: str | None = None) -> None:
     """Emit one finished request's span (times in seconds since the epoch / in seconds)."""
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
     a = SpanAttributes
-    attrs: dict[str, Any] = {
+    attrs: dict[str, AttributeValue] = {
         a.GEN_AI_REQUEST_ID: request_id,
         a.GEN_AI_USAGE_PROMPT_TOKENS: int(prompt_tokens),
         a.GEN_AI_USAGE_COMPLETION_TOKENS: int(completion_tokens),

@@ -1,4 +1,4 @@
-"""Admission by expected completion time (issue 21, item 1) and clients that stop reading (D3), on the real server.
+"""Admission by expected completion time and clients that stop reading, on the real server.
 
 A reduced engine (4 slots, a short --max-expected-latency) stands in for the issue's 400-request flood: every
 request gets a clean answer at once or is admitted and finishes, none waits past the client's timeout.

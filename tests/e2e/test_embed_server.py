@@ -1,4 +1,4 @@
-"""/v1/embeddings on the real server with the official `openai` client (issue 18, item 5).
+"""/v1/embeddings on the real server with the official `openai` client.
 
 An embedding model served alone (all-MiniLM-L6-v2) answers every input shape, both encodings and usage;
 refuses generation, unsupported `dimensions` and over-long or too many inputs with a clear 400; a generation

@@ -1,5 +1,5 @@
-"""Request validation against OpenAI's documented rules and vLLM's, and the adversarial findings of
-issue 21 (D2, D6, D7, minor ones), on the real server with the embedded model.
+"""Request validation against OpenAI's documented rules and vLLM's, and the adversarial probe's
+findings, on the real server with the embedded model.
 
 Each rule is one row: a body that breaks it gets a 400 in OpenAI's error shape whose ``param``
 names the field, at once, and the server keeps serving. One server for the module.

@@ -1,4 +1,4 @@
-"""Tool calls and JSON that finish (issue 21, item 2): with the official `openai` client on the embedded
+"""Tool calls and JSON that finish: with the official `openai` client on the embedded
 model, greedy, max_tokens 60, each of a named, a required and an auto tool call and a json_object answer
 is complete and parseable, with OpenAI's finish_reason; streamed and whole answers agree.
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry request spans (issue 21, item 6) on the real engine (AsyncLLM + its engine process, the
+"""OpenTelemetry request spans on the real engine (AsyncLLM + its engine process, the
 embedded model), exported to the SDK's in-memory exporter: one `llm_request` SERVER span per request with
 vLLM's attribute names, the queue / prefill / decode / first-token latencies and token counts."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.engine.async_llm import AsyncLLM, RequestTimeoutError
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.request_errors import RequestTimeoutError
 from tokenloom.tracing import SPAN_NAME, init_tracer
 from tokenloom.tracing import SpanAttributes as A
 

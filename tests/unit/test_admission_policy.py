@@ -1,4 +1,4 @@
-"""Admission by expected completion time (issue 21, item 1): the estimator and the decision, on given numbers.
+"""Admission by expected completion time: the estimator and the decision, on given numbers.
 
 The end-to-end behaviour (a real server under a flood) is tests/e2e/test_admission.py; these pin the arithmetic.
 """
@@ -176,14 +176,12 @@ def test_the_count_backstop_is_checked_first():
 def test_reservations_taken_over_leave_no_work_behind():
     """Float residue of reserved work made an idle engine look busy, so a request's own timeout was refused
     on an estimate (found by test_request_timeout after a flood)."""
-    from types import SimpleNamespace
-
-    from tokenloom.engine.async_llm import Reservation
-    owner = SimpleNamespace(reserved_seqs=0, reserved_work=0.0)
-    reservations = [Reservation(owner, 1, w) for w in (0.1, 0.2, 0.7, 16.3, 1e-9)]
+    from tokenloom.engine.admission import Reservation, ReservedWork
+    ledger = ReservedWork()
+    reservations = [Reservation(ledger, 1, w) for w in (0.1, 0.2, 0.7, 16.3, 1e-9)]
     for r, w in zip(reservations, (0.3, 0.1, 0.7, 16.29, 0.0)):
         r.take(1, w)
-    assert owner.reserved_seqs == 0 and owner.reserved_work == 0.0
+    assert ledger.seqs == 0 and ledger.work == 0.0
 
 
 def test_a_step_that_carried_a_prefill_chunk_does_not_make_decode_look_slower():

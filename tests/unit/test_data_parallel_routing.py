@@ -6,6 +6,7 @@ import pytest
 from helpers import greedy_params, make_request
 
 from tokenloom.config import ConfigError, ParallelConfig
+from tokenloom.core.stats import EngineStats
 from tokenloom.engine.dp_client import (
     AFFINITY_ABS_SLACK,
     KV_USAGE_WEIGHT,
@@ -24,8 +25,9 @@ def request(rid: str, tokens: list[int], salt: str | None = None):
 
 
 def test_the_load_score_weighs_in_flight_waiting_and_kv_usage():
-    assert load_score(3, {}) == 3
-    assert load_score(3, {"num_waiting": 2, "kv_cache_usage": 0.5}) == 3 + 2 * WAITING_WEIGHT + 0.5 * KV_USAGE_WEIGHT
+    assert load_score(3, EngineStats()) == 3
+    busy = EngineStats(num_waiting=2, kv_cache_usage=0.5)
+    assert load_score(3, busy) == 3 + 2 * WAITING_WEIGHT + 0.5 * KV_USAGE_WEIGHT
 
 
 def test_the_prefix_map_matches_whole_blocks_in_order_and_keeps_salts_apart():

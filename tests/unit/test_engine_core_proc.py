@@ -9,6 +9,7 @@ import pytest
 from tokenloom.config import EngineConfig
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.stats import EngineStats
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 
 HERE = os.path.dirname(__file__)
@@ -44,7 +45,7 @@ def test_roundtrip_abort_utility_shutdown():
         client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: got.extend(m.outputs),
                                   core_factory="fake_engine_core:make", heartbeat_interval=0.2)
         info = await client.start(startup_timeout=30)
-        assert info["max_model_len"] == 128 and info["num_blocks"] == 64
+        assert info.max_model_len == 128 and info.kv_cache.num_blocks == 64 and info.pooling is None
         await client.add_request(_req("a", [1, 2], max_tokens=3))
         await client.add_request(_req("b", [5], max_tokens=1000))
         deadline = time.time() + 10
@@ -54,7 +55,8 @@ def test_roundtrip_abort_utility_shutdown():
         await client.abort_requests(["b"])
         await asyncio.sleep(0.3)
         stats = await client.call_utility("stats")
-        assert stats["num_running"] == 0
+        assert isinstance(stats, EngineStats) and stats.num_running == 0
+        assert client.last_stats.num_running == 0
         assert await client.call_utility("ping") == "pong"
         with pytest.raises(RuntimeError):
             await client.call_utility("nope")

@@ -1,4 +1,4 @@
-"""Constrained JSON is compact by default (issue 21, item 2): the grammar allows no free whitespace, so a
+"""Constrained JSON is compact by default: the grammar allows no free whitespace, so a
 small model cannot spend its budget on newlines; `any_whitespace: true` allows it again. Checked on the
 compiled grammars for the embedded model's tokenizer (xgrammar matchers, no generation)."""
 from __future__ import annotations

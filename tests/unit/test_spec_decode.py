@@ -214,6 +214,7 @@ def test_engine_stats_become_vllm_spec_decode_counters(make_core):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from tokenloom.bench.serve import SPEC_COUNTERS
+    from tokenloom.core.stats import engine_stats
     from tokenloom.engine.core import spec_summary
     from tokenloom.metrics import ServerMetrics
     on = make_core(speculative_config=NGRAM)
@@ -221,7 +222,7 @@ def test_engine_stats_become_vllm_spec_decode_counters(make_core):
     stats = on.stats()
     registry = CollectorRegistry()
     metrics = ServerMetrics("m", registry=registry, prefix="tokenloom:")
-    metrics.observe_engine_stats(stats)
+    metrics.observe_engine_stats(engine_stats(stats))
     text = generate_latest(registry).decode()
     for name in SPEC_COUNTERS:
         key = name.replace("spec_decode_", "spec_")

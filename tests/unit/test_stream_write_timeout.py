@@ -1,4 +1,4 @@
-"""The streamed response's write timeout (issue 21, D3): a client that takes no chunk for the timeout
+"""The streamed response's write timeout: a client that takes no chunk for the timeout
 ends the stream, and the body generator is closed at once (which aborts the engine request).
 
 The ASGI `send` here is what uvicorn's is for a client that stopped reading: it blocks until the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenloom.entrypoints.openai.serving_engine import DisconnectAwareStreamingResponse
+from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse
 
 
 def _run(response, send, timeout=10.0):

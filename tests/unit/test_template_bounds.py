@@ -1,4 +1,4 @@
-"""Bounds on what a chat template may compute (issue 21, D1), in the sandbox and in the render process.
+"""Bounds on what a chat template may compute, in the sandbox and in the render process.
 
 The sandbox refuses, before computing them, integers over MAX_INT_BITS, padding widths and %-format
 widths over MAX_RENDER_CHARS and replacements that would outgrow it; the render process (templates sent

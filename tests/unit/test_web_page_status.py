@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.stats import EngineStats
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.api_server import add_serve_args
 from tokenloom.entrypoints.openai.app import ServerSettings, build_app
@@ -73,10 +74,10 @@ def test_token_rates_are_the_counters_rise_over_the_elapsed_time():
     engine = AsyncLLM(EngineConfig.from_kwargs(max_model_len=512), served_model_name="m")
     tracker = StatusTracker(engine)
     try:
-        engine.client.last_stats = {"generation_tokens": 100, "prompt_tokens": 0, "steps": 10, "batched_tokens": 10}
+        engine.client.last_stats = EngineStats(generation_tokens=100, prompt_tokens=0, steps=10, batched_tokens=10)
         first = tracker.snapshot()
         time.sleep(1.0)
-        engine.client.last_stats = {"generation_tokens": 150, "prompt_tokens": 0, "steps": 60, "batched_tokens": 60}
+        engine.client.last_stats = EngineStats(generation_tokens=150, prompt_tokens=0, steps=60, batched_tokens=60)
         second = tracker.snapshot()
         elapsed = second["time"] - first["time"]
         assert second["generation_tps"] == pytest.approx(50 / elapsed)

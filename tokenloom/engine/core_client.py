@@ -27,13 +27,16 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenloom.config import EngineConfig
+from tokenloom.core.engine_info import EngineInfo
 from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.stats import EngineStats
 from tokenloom.engine import ipc
 from tokenloom.engine.zmq_reader import SocketReader
 
@@ -48,13 +51,13 @@ class EngineStartupError(RuntimeError):
     """The EngineCore process failed to start (bad model, out of memory...)."""
 
 
-def _config_type_path(config: Any) -> str:
+def _config_type_path(config: EngineConfig) -> str:
     cls = type(config)
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
 class EngineCoreClient:
-    def __init__(self, config: Any, *, on_outputs: Callable[[ipc.StepOutputs], None],
+    def __init__(self, config: EngineConfig, *, on_outputs: Callable[[ipc.StepOutputs], None],
                  on_dead: Callable[[str], None] | None = None,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 30.0,
                  core_factory: str | None = None, step_timeout: float | None = None,
@@ -69,10 +72,10 @@ class EngineCoreClient:
         self.core_factory = core_factory
         self.env = env  # the engine process's environment (None: ours)
         self.proc: subprocess.Popen | None = None
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None  # set once the engine answered Ready
         self.engine_pid: int | None = None
         self.dead_reason: str | None = None
-        self.last_stats: dict[str, Any] = {}
+        self.last_stats = EngineStats()  # the latest the engine sent (with a step or heartbeat)
         self.step_elapsed = 0.0  # how long the engine's current step has run (from its heartbeat)
         self._ctx: zmq.asyncio.Context | None = None
         self._in: zmq.asyncio.Socket | None = None
@@ -82,7 +85,7 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_seen = time.monotonic()
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future[ipc.UtilityValue]] = {}
         self._next_call = 0
         self._closing = False
 
@@ -116,7 +119,7 @@ class EngineCoreClient:
 
     # -------------------------------------------------------------- start-up
 
-    async def start(self, startup_timeout: float | None = None) -> dict[str, Any]:
+    async def start(self, startup_timeout: float | None = None) -> EngineInfo:
         self._loop = asyncio.get_running_loop()
         self._tmpdir = tempfile.mkdtemp(prefix="tokenloom-")
         input_addr = f"ipc://{self._tmpdir}/input.sock"
@@ -151,7 +154,7 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
-        self.info = dict(ready.info)
+        self.info = ready.info
         self._last_seen = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
                        asyncio.create_task(self._heartbeat_watch(), name="engine-heartbeat")]
@@ -204,13 +207,13 @@ class EngineCoreClient:
         if isinstance(msg, ipc.StepOutputs):
             self.step_elapsed = 0.0
             self._step_started_at = 0.0
-            if msg.stats:
+            if msg.stats is not None:
                 self.last_stats = msg.stats
             self.on_outputs(msg)
         elif isinstance(msg, ipc.Heartbeat):
             self.step_elapsed = msg.step_elapsed
             self._step_started_at = time.monotonic() - msg.step_elapsed if msg.step_elapsed else 0.0
-            if msg.stats:
+            if msg.stats is not None:
                 self.last_stats = msg.stats
         elif isinstance(msg, ipc.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
@@ -248,7 +251,7 @@ class EngineCoreClient:
         if request_ids and self.dead_reason is None:
             await self._send(ipc.AbortRequests(request_ids=list(request_ids)))
 
-    async def call_utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, *args: ipc.UtilityArg, timeout: float = 10.0) -> ipc.UtilityValue:
         assert self._loop is not None
         self._next_call += 1
         call_id = self._next_call

@@ -26,15 +26,19 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import msgspec
 import zmq
 
-from tokenloom.core.messages import EngineCoreOutput
+from tokenloom.config import EngineConfig
+from tokenloom.core.engine_info import EngineInfo, KVCacheInfo
+from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.process import set_parent_death_signal
+from tokenloom.core.stats import EngineStats, engine_stats
 from tokenloom.engine import ipc
 from tokenloom.heap_trim import release_free_heap
+from tokenloom.worker.worker_info import WorkerInfo
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -42,31 +46,37 @@ logger = logging.getLogger("tokenloom.engine")
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
 
 
-def _jsonable(value: Any) -> Any:
-    """Stats values as plain msgpack-able data (numbers, strings, lists, dicts)."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
+class CoreLike(Protocol):
+    """What the loop needs of its core: `EngineCore`, or a stand-in in tests (tests/unit/fake_engine_core.py)."""
+
+    info: WorkerInfo
+    last_step_tokens: int
+
+    def add_request(self, req: EngineCoreRequest) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineCoreOutput]: ...
+    def stats(self) -> dict: ...
+    def check_health(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
-def engine_info(core: Any) -> dict[str, Any]:
-    """What the frontend learns about the built engine (resolved max_model_len, KV blocks...)."""
-    info = msgspec.structs.asdict(core.info)
-    info.pop("summary")
-    return {**info, "full_length_requests": core.info.full_length_requests}
+def engine_info(core: CoreLike) -> EngineInfo:
+    """What the frontend learns about the built engine (resolved max_model_len, KV cache, pooling...)."""
+    w = core.info
+    kv = KVCacheInfo(num_blocks=w.num_blocks, block_size=w.block_size, dtype=w.kv_cache_dtype,
+                     full_length_requests=w.full_length_requests)
+    return EngineInfo(model_path=w.model_path, architecture=w.architecture, vocab_size=w.vocab_size,
+                      max_position_embeddings=w.max_position_embeddings, max_model_len=w.max_model_len,
+                      eos_token_ids=list(w.eos_token_ids), device=w.device, dtype=w.dtype,
+                      tensor_parallel_size=w.tensor_parallel_size, kv_cache=kv,
+                      warmup_decode_seconds=w.warmup_decode_seconds, pooling=w.pooling)
 
 
 class EngineCoreProc:
     """Owns an EngineCore and the two sockets; `run()` is the busy loop."""
 
-    def __init__(self, core: Any, input_addr: str, output_addr: str, parent_pid: int,
+    def __init__(self, core: CoreLike, input_addr: str, output_addr: str, parent_pid: int,
                  heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None) -> None:
         self.core = core
         self.parent_pid = parent_pid
@@ -108,12 +118,12 @@ class EngineCoreProc:
         finally:
             sock.close()
 
-    def _stats(self) -> dict[str, Any]:
+    def _stats(self) -> EngineStats | None:
         try:
-            return _jsonable(self.core.stats())
+            return engine_stats(self.core.stats())
         except Exception:  # noqa: BLE001 - stats must never kill the loop
             logger.exception("EngineCore.stats() failed")
-            return {}
+            return None
 
     # -------------------------------------------------------------- input
 
@@ -137,13 +147,16 @@ class EngineCoreProc:
 
     def _call(self, msg: ipc.UtilityCall) -> None:
         try:
+            result: ipc.UtilityValue
             if msg.method == "ping":
-                result: Any = "pong"
+                result = "pong"
+            elif msg.method == "stats":
+                result = engine_stats(self.core.stats())
             elif msg.method in UTILITY_METHODS and hasattr(self.core, msg.method):
-                result = getattr(self.core, msg.method)(*msg.args)
+                result = bool(getattr(self.core, msg.method)(*msg.args))
             else:
                 raise ValueError(f"unknown engine utility method {msg.method!r}")
-            self.send(ipc.UtilityResult(call_id=msg.call_id, result=_jsonable(result)))
+            self.send(ipc.UtilityResult(call_id=msg.call_id, result=result))
         except Exception as e:  # noqa: BLE001
             self.send(ipc.UtilityResult(call_id=msg.call_id, error=f"{type(e).__name__}: {e}"))
 
@@ -209,21 +222,21 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _import_factory(path: str) -> Callable[[Any], Any]:
+def _import_object(path: str) -> object:
+    """``module:name`` -> that object (the core factory and config type are named on the command line)."""
     module, _, name = path.partition(":")
     mod = __import__(module, fromlist=[name])
     return getattr(mod, name)
 
 
-def default_core_factory(config: Any) -> Any:
-    from tokenloom.engine.core import EngineCore
+def default_core_factory(config: EngineConfig) -> CoreLike:
+    from tokenloom.engine.core import EngineCore  # lazy: a stand-in core (--core-factory) never loads torch
 
     return EngineCore(config)
 
 
-def decode_config(data: bytes, config_type: str) -> Any:
-    cls = _import_factory(config_type)
-    return msgspec.json.decode(data, type=cls)
+def decode_config(data: bytes, config_type: str) -> EngineConfig:
+    return msgspec.json.decode(data, type=_import_object(config_type))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(args.output)
     try:
-        core = _import_factory(args.core_factory)(config)
+        factory: Callable[[EngineConfig], CoreLike] = _import_object(args.core_factory)  # type: ignore[assignment]
+        core = factory(config)
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the frontend
         if os.environ.get("TOKENLOOM_DEBUG") == "1":  # otherwise the frontend reports it in one line
             logger.error("engine start-up failed:\n%s", traceback.format_exc())

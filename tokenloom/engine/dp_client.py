@@ -21,9 +21,14 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable
 
+import msgspec
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.engine_info import EngineInfo
 from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.stats import EngineStats, sum_stats
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 
@@ -52,11 +57,9 @@ MAX_PREFIX_ENTRIES = 65536
 MAX_PREFIX_BLOCKS = 64
 
 
-def load_score(inflight: int, stats: dict[str, Any]) -> float:
+def load_score(inflight: int, stats: EngineStats) -> float:
     """The routing load of one replica (lower is better); see WAITING_WEIGHT and KV_USAGE_WEIGHT."""
-    waiting = float(stats.get("num_waiting", 0) or 0)
-    usage = float(stats.get("kv_cache_usage", 0.0) or 0.0)
-    return inflight + WAITING_WEIGHT * waiting + KV_USAGE_WEIGHT * usage
+    return inflight + WAITING_WEIGHT * stats.num_waiting + KV_USAGE_WEIGHT * stats.kv_cache_usage
 
 
 class ReplicaUnavailableError(RuntimeError):
@@ -150,19 +153,20 @@ class ReplicaRouter:
 class DPEngineClient:
     """N EngineCoreClients behind the one-client interface AsyncLLM uses (see the module docstring)."""
 
-    def __init__(self, config: Any, size: int, *, on_outputs: Callable[[ipc.StepOutputs], None],
+    def __init__(self, config: EngineConfig, size: int, *, on_outputs: Callable[[ipc.StepOutputs], None],
                  on_dead: Callable[[str], None] | None = None,
                  on_replica_dead: Callable[[int, str, list[str]], None] | None = None,
-                 **client_args: Any) -> None:
+                 heartbeat_timeout: float = 30.0, core_factory: str | None = None,
+                 step_timeout: float | None = None) -> None:
         self.config = config
         self.size = size
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.on_replica_dead = on_replica_dead
-        self._client_args = client_args
+        self._heartbeat_timeout, self._core_factory, self._step_timeout = heartbeat_timeout, core_factory, step_timeout
         self.replicas: list[EngineCoreClient] = [self._new_replica(rank) for rank in range(size)]
         self.router = ReplicaRouter(size, config.cache.block_size)
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
         self._owner: dict[str, int] = {}  # open request id -> replica
         self._seqs_left: dict[str, int] = {}  # open request id -> sequences not finished yet
         self._inflight = [0] * size
@@ -176,7 +180,8 @@ class DPEngineClient:
         client = EngineCoreClient(self.config, on_outputs=self._forward_outputs,
                                   on_dead=lambda reason: self._replica_dead(holder[0], rank, reason),
                                   env=replica_env(self.size, self.config.parallel.tensor_parallel_size),
-                                  **self._client_args)
+                                  heartbeat_timeout=self._heartbeat_timeout, core_factory=self._core_factory,
+                                  step_timeout=self._step_timeout)
         holder.append(client)
         return client
 
@@ -195,20 +200,12 @@ class DPEngineClient:
         return [rank for rank in range(self.size) if self.is_serving(rank)]
 
     @property
-    def last_stats(self) -> dict[str, Any]:
+    def last_stats(self) -> EngineStats:
         """The replicas' stats summed (counts and counters); KV usage as the mean over replicas."""
-        total: dict[str, Any] = {}
-        stats = [r.last_stats for r in self.replicas]
-        for s in stats:
-            for key, value in s.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-        if "kv_cache_usage" in total:
-            total["kv_cache_usage"] = total["kv_cache_usage"] / max(1, sum("kv_cache_usage" in s for s in stats))
-        return total
+        return sum_stats([r.last_stats for r in self.replicas])
 
-    def replica_stats(self) -> list[dict[str, Any]]:
-        return [dict(r.last_stats) for r in self.replicas]
+    def replica_stats(self) -> list[EngineStats]:
+        return [r.last_stats for r in self.replicas]
 
     def inflight(self, rank: int) -> int:
         return self._inflight[rank]
@@ -218,7 +215,7 @@ class DPEngineClient:
 
     # -------------------------------------------------------------- start / stop
 
-    async def start(self, startup_timeout: float | None = None) -> dict[str, Any]:
+    async def start(self, startup_timeout: float | None = None) -> EngineInfo:
         """Start every replica at once (each loads its own weights); one failing fails the start."""
         results = await asyncio.gather(*(r.start(startup_timeout=startup_timeout) for r in self.replicas),
                                        return_exceptions=True)
@@ -226,8 +223,9 @@ class DPEngineClient:
         if errors:
             self.shutdown()
             raise errors[0]
-        self.info = dict(results[0])
-        self.info["data_parallel_size"] = self.size
+        first = results[0]
+        assert isinstance(first, EngineInfo)
+        self.info = msgspec.structs.replace(first, data_parallel_size=self.size)
         return self.info
 
     async def restart_replica(self, rank: int, startup_timeout: float | None = None) -> None:
@@ -285,7 +283,7 @@ class DPEngineClient:
         for rank, ids in by_rank.items():
             await self.replicas[rank].abort_requests(ids)
 
-    async def call_utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, *args: ipc.UtilityArg, timeout: float = 10.0) -> ipc.UtilityValue:
         """Call it on every live replica; stats are summed, booleans and-ed (reset_prefix_cache)."""
         ranks = self.alive_ranks()
         if not ranks:
@@ -298,13 +296,9 @@ class DPEngineClient:
                 for rank in ranks:
                     self.router.prefix.forget(rank)
             return ok
-        if all(isinstance(r, dict) for r in results):
-            merged: dict[str, Any] = {}
-            for r in results:
-                for key, value in r.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        merged[key] = merged.get(key, 0) + value
-            return merged
+        stats = [r for r in results if isinstance(r, EngineStats)]
+        if stats and len(stats) == len(results):
+            return sum_stats(stats)
         return results[0]
 
     def _release(self, request_id: str) -> int | None:

@@ -9,6 +9,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.errors import RequestValidationError
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
+from tokenloom.structured.backend import get_backend
+from tokenloom.structured.spec import normalize_structured_outputs
 from tokenloom.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenloom.engine")
@@ -99,9 +101,6 @@ class InputProcessor:
         """Validate and compile (cached) the request's constraint here, so a bad one fails before queueing."""
         if not params.structured_outputs:
             return
-        from tokenloom.structured.backend import get_backend
-        from tokenloom.structured.spec import normalize_structured_outputs
-
         spec = normalize_structured_outputs(params.structured_outputs, param)
         if spec is not None:
             get_backend(self.tokenizer, self.vocab_size).compile(spec, param)

@@ -9,11 +9,17 @@ decodes straight to the right type; nothing is ever pickled.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
+from tokenloom.core.engine_info import EngineInfo
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
+from tokenloom.core.stats import EngineStats
+
+# What a utility call returns: stats -> EngineStats, reset_prefix_cache -> bool, ping -> "pong".
+UtilityValue = Union[EngineStats, bool, str, None]
+UtilityArg = Union[int, float, str, bool, None]
 
 # ---------------------------------------------------------------- frontend -> engine
 
@@ -30,7 +36,7 @@ class UtilityCall(msgspec.Struct, tag="call"):
 
     call_id: int
     method: str
-    args: list[Any] = []
+    args: list[UtilityArg] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -46,7 +52,7 @@ class Ready(msgspec.Struct, tag="ready"):
     """Sent once the EngineCore is built: what the frontend needs to know about it."""
 
     pid: int
-    info: dict[str, Any] = {}
+    info: EngineInfo
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):
@@ -56,20 +62,20 @@ class StartupFailed(msgspec.Struct, tag="startup_failed"):
 class StepOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     timestamp: float
-    # EngineCore.stats() after the step (gauges and cumulative counters).
-    stats: dict[str, Any] = {}
+    # EngineCore.stats() after the step (gauges and cumulative counters); None when they failed.
+    stats: EngineStats | None = None
     num_step_tokens: int = 0  # tokens computed in this step (for iteration_tokens_total)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     timestamp: float
-    stats: dict[str, Any] = {}
+    stats: EngineStats | None = None  # None from the heartbeat thread while a step runs
     step_elapsed: float = 0.0  # > 0: sent while a step has been running this long
 
 
 class UtilityResult(msgspec.Struct, tag="result"):
     call_id: int
-    result: Any = None
+    result: UtilityValue = None
     error: str | None = None
 
 

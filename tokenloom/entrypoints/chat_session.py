@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, TextIO
+
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
+
+if TYPE_CHECKING:  # the LLM imports torch; the session only calls it
+    from tokenloom.entrypoints.llm import LLM
 
 HELP = """commands:
   /help           this list
@@ -21,16 +28,17 @@ Ctrl-C stops the reply being written."""
 
 
 class ChatSession:
-    def __init__(self, llm: Any, params: Any, system: str | None = None, out=None, err=None) -> None:
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None, out: TextIO | None = None,
+                 err: TextIO | None = None) -> None:
         self.llm = llm
         self.params = params
         self.system = system
-        self.turns: list[dict] = []
+        self.turns: list[dict[str, str]] = []
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self._interrupted = False
 
-    def messages(self) -> list[dict]:
+    def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.turns
 
@@ -86,14 +94,12 @@ class ChatSession:
             self.say(f"unknown command {name}; /help lists the commands")
 
     def reply(self, line: str) -> None:
-        from tokenloom.entrypoints.cli import _chat_prompt_ids, _stream
-
         self.turns.append({"role": "user", "content": line})
         print("assistant> ", end="", file=self.out, flush=True)
         self._interrupted = False
         previous = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
-            text, stopped = _stream(self.llm, _chat_prompt_ids(self.llm, self.messages()), self.params,
+            text, stopped = stream_reply(self.llm, chat_prompt_ids(self.llm, self.messages()), self.params,
                                     out=self.out, stop=lambda: self._interrupted)
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -102,5 +108,5 @@ class ChatSession:
             self.say("[reply stopped]")
         self.turns.append({"role": "assistant", "content": text})
 
-    def _on_interrupt(self, signum, frame) -> None:
+    def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
         self._interrupted = True

@@ -9,11 +9,19 @@ import argparse
 import logging
 import os
 import sys
+import time
 import warnings
+from typing import TYPE_CHECKING
 
 import tokenloom
-from tokenloom.config import add_engine_args
+from tokenloom.config import ConfigError, EngineConfig, add_engine_args
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.entrypoints.chat_session import ChatSession
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
+from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
+
+if TYPE_CHECKING:  # imported when run: the LLM pulls in torch
+    from tokenloom.entrypoints.llm import LLM
 
 # Errors a user can cause (bad path, bad option, bad model file): one line, no traceback.
 USER_ERRORS = (FileNotFoundError, ValueError, RuntimeError, OSError)
@@ -40,15 +48,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     _sampling_args(parser)
 
 
-def _params(ns):
-    from tokenloom.core.sampling_params import SamplingParams
+def _params(ns: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens)
 
 
-def _llm(ns):
+def _llm(ns: argparse.Namespace) -> LLM:
     """An in-process LLM; quiet unless -v (warnings such as 'max_model_len clamped' included)."""
-    from tokenloom.config import EngineConfig
-    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.entrypoints.llm import LLM  # lazy: CLI start-up time (it imports torch and the model code)
     check_common_args(ns)
     template = read_chat_template(ns.chat_template)
     apply_threads(ns.threads)
@@ -65,44 +71,22 @@ def _llm(ns):
     return llm
 
 
-def _chat_prompt_ids(llm, messages: list[dict]) -> list[int]:
-    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
-
-
-def _stream(llm, prompt, params, out=sys.stdout, stop=None) -> tuple[str, bool]:
-    """Print the reply's new text as it comes; returns (text, stopped). `stop()` true ends it early."""
-    text, request_id = "", None
-    for o in llm.generate_stream(prompt, params):
-        request_id = o.request_id
-        new = o.outputs[0].text
-        out.write(new[len(text):])
-        out.flush()
-        text = new
-        if stop is not None and stop() and not o.finished:
-            llm.abort(request_id)
-            return text, True
-    return text, False
-
-
 def cmd_generate(ns) -> int:
     llm = _llm(ns)
-    prompt = ns.prompt if ns.raw else _chat_prompt_ids(llm, [{"role": "user", "content": ns.prompt}])
-    _stream(llm, prompt, _params(ns))
+    prompt = ns.prompt if ns.raw else chat_prompt_ids(llm, [{"role": "user", "content": ns.prompt}])
+    stream_reply(llm, prompt, _params(ns))
     print()
     return 0
 
 
 def cmd_chat(ns) -> int:
-    from tokenloom.entrypoints.chat_session import ChatSession
     return ChatSession(_llm(ns), _params(ns), ns.system).run()
 
 
 def cmd_cache(ns) -> int:
     """List the weight cache's entries (or empty it with --clear)."""
-    import time
+    from tokenloom.model.loader import weight_cache as wc  # lazy: CLI start-up time (the loader imports torch)
 
-    from tokenloom.model.loader import weight_cache as wc
     held = wc.entries()
     if ns.clear:
         for entry in held:
@@ -125,7 +109,6 @@ class _Parser(argparse.ArgumentParser):
     command: str | None = None  # set on the root: the subcommand whose --help to point to
 
     def error(self, message: str):
-        from tokenloom.config import ConfigError
         prog = f"{self.prog} {self.command}" if self.command else self.prog
         raise ConfigError(f"{message} (see {prog} --help)")
 
@@ -153,7 +136,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     if command in (None, "serve"):
         try:
-            from tokenloom.entrypoints.openai.api_server import add_serve_args, run_server
+            from tokenloom.entrypoints.openai.api_server import (  # lazy: CLI start-up time (FastAPI, uvicorn)
+                add_serve_args,
+                run_server,
+            )
             add_serve_args(p)
             p.set_defaults(func=run_server)
         except ImportError as exc:  # pragma: no cover - only while the server package is incomplete
@@ -163,7 +149,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="HTTP proxy in front of several OpenAI-compatible servers (data parallel "
                                       "across servers, prefix-aware routing, prefill/decode pairs)")
     if command in (None, "router"):
-        from tokenloom.router.cli import add_router_args, run_router
+        from tokenloom.router.cli import add_router_args, run_router  # lazy: CLI start-up time (httpx, FastAPI)
         add_router_args(p)
         p.set_defaults(func=run_router)
 
@@ -173,7 +159,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (HTTP load)")
     if command in (None, "bench"):
-        from tokenloom.bench.cli import add_bench_args
+        from tokenloom.bench.cli import add_bench_args  # lazy: CLI start-up time
         add_bench_args(p)
     return parser
 

@@ -8,11 +8,12 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.pooling import PoolingConfig
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.model.pooling_config import PoolingConfig, truncate
+from tokenloom.model.pooling_config import truncate
 from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
 from tokenloom.tokenizer import Tokenizer

@@ -8,41 +8,21 @@ folder leaves its Normalize module out. Truncation to fewer `dimensions` (Matryo
 the model's config declares it (`matryoshka_dimensions` / `is_matryoshka`), then renormalized.
 
 Plain Python: the API server process reads these without importing torch; the pooling math the
-worker runs is tokenloom/model/pooler.py.
+worker runs is tokenloom/model/pooler.py; the struct itself is tokenloom/core/pooling.py (it crosses processes).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass
 
 from tokenloom.config import ConfigError
+from tokenloom.core.pooling import PoolingConfig
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's floor on the norm
 
 METHODS = ("mean", "cls", "last")
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    method: str
-    normalize: bool
-    dimensions: int  # the model's hidden size
-    matryoshka: tuple[int, ...] | bool = False  # allowed truncations (True: any)
-
-    def check_dimensions(self, dimensions: int | None) -> str | None:
-        """None when `dimensions` is allowed, else why not (one line)."""
-        if dimensions is None or dimensions == self.dimensions:
-            return None
-        if not self.matryoshka:
-            return f"this model does not support truncated embeddings (dimensions must be {self.dimensions})"
-        if not 1 <= dimensions <= self.dimensions:
-            return f"dimensions must be between 1 and {self.dimensions}"
-        if isinstance(self.matryoshka, tuple) and dimensions not in self.matryoshka:
-            return f"dimensions must be one of {', '.join(map(str, self.matryoshka))}"
-        return None
 
 
 def _read_json(path: str) -> dict | list | None:

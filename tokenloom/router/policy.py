@@ -19,8 +19,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import Protocol
 
+from tokenloom.core.json_value import JsonValue
 from tokenloom.router.workers import Worker
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -33,7 +34,7 @@ CHUNK_CHARS = 32
 MAX_PREFIX_CHARS = 32 * 1024
 
 
-def prompt_text(body: Any) -> str:
+def prompt_text(body: JsonValue) -> str:
     """The text a request's KV cache starts with: the completion prompt, or the chat messages in order."""
     if not isinstance(body, dict):
         return ""
@@ -48,6 +49,14 @@ def prompt_text(body: Any) -> str:
             content = message.get("content")
             parts.append(f"{message.get('role', '')}:{content if isinstance(content, str) else json.dumps(content)}\n")
     return "".join(parts)
+
+
+class RoutingPolicy(Protocol):
+    """Chooses the worker of one request (its parsed JSON body) and says why (a /metrics label)."""
+
+    name: str
+
+    def choose(self, workers: list[Worker], body: JsonValue) -> tuple[Worker, str]: ...
 
 
 class PrefixRecord:
@@ -92,14 +101,14 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: list[Worker], body: Any) -> tuple[Worker, str]:
+    def choose(self, workers: list[Worker], body: JsonValue) -> tuple[Worker, str]:
         return workers[next(self._counter) % len(workers)], "round_robin"
 
 
 class LeastLoad:
     name = "least_load"
 
-    def choose(self, workers: list[Worker], body: Any) -> tuple[Worker, str]:
+    def choose(self, workers: list[Worker], body: JsonValue) -> tuple[Worker, str]:
         return min(workers, key=lambda w: w.inflight), "least_load"
 
 
@@ -119,7 +128,7 @@ class CacheAware:
             self.records[worker.url] = PrefixRecord(self.max_tree_size)
         return self.records[worker.url]
 
-    def choose(self, workers: list[Worker], body: Any) -> tuple[Worker, str]:
+    def choose(self, workers: list[Worker], body: JsonValue) -> tuple[Worker, str]:
         """Returns the worker and why: "balance" (load unbalanced), "prefix" (match above the threshold)
         or "fresh" (no good match: the smallest record)."""
         hashes = PrefixRecord.hashes(prompt_text(body))
@@ -139,7 +148,7 @@ class CacheAware:
         return chosen, why
 
 
-def make_policy(name: str, **cache_aware_args: Any):
+def make_policy(name: str, **cache_aware_args: float) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

@@ -14,14 +14,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenloom.core.json_value import JsonValue
 from tokenloom.router import pd
 from tokenloom.router.metrics import RouterMetrics
+from tokenloom.router.policy import RoutingPolicy
 from tokenloom.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("tokenloom.router")
@@ -42,13 +44,13 @@ def error(status: int, message: str, code: str) -> JSONResponse:
                         status_code=status)
 
 
-def request_headers(headers: Any) -> dict[str, str]:
+def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 class Proxy:
-    def __init__(self, pool: WorkerPool, policy: Any, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 max_retries: int, decode_policy: Any = None) -> None:
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 max_retries: int, decode_policy: RoutingPolicy | None = None) -> None:
         self.pool = pool
         self.policy = policy
         self.decode_policy = decode_policy or policy
@@ -56,7 +58,7 @@ class Proxy:
         self.client = client
         self.max_retries = max_retries
 
-    def _choose(self, policy: Any, role: str, tried: set[str], body: Any) -> Worker | None:
+    def _choose(self, policy: RoutingPolicy, role: str, tried: set[str], body: JsonValue) -> Worker | None:
         candidates = [w for w in self.pool.healthy(role) if w.url not in tried]
         if not candidates:
             return None
@@ -68,7 +70,7 @@ class Proxy:
         self.metrics.requests.labels("none", "503").inc()
         return error(503, f"no healthy {role} worker is available", "no_worker")
 
-    async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes, parsed: Any,
+    async def forward(self, method: str, path: str, headers: dict[str, str], body: bytes, parsed: JsonValue,
                       role: str = "mixed") -> Response:
         """Send to a worker of `role` chosen by the policy; retry on another one while nothing has started.
         (PD mode sends what is not a completion, e.g. /v1/models, to a decode worker.)"""
@@ -110,7 +112,7 @@ class Proxy:
     def _has_other(self, role: str, tried: set[str]) -> bool:
         return any(w.url not in tried for w in self.pool.healthy(role))
 
-    async def forward_pd(self, path: str, headers: dict[str, str], parsed: Any) -> Response:
+    async def forward_pd(self, path: str, headers: dict[str, str], parsed: JsonValue) -> Response:
         """A completion on a prefill/decode pair (pd.pd_request); retried on another pair while the
         prefill instance could not be reached."""
         arrival = time.monotonic()
@@ -176,7 +178,7 @@ class Proxy:
                                  background=BackgroundTask(finish))
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes) -> JsonValue:
     """The request's JSON (for the routing policy); None if it is not JSON (the worker will say so)."""
     if not body:
         return None

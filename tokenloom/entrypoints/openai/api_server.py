@@ -32,13 +32,17 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from types import FrameType
 
 import uvicorn
 
-from tokenloom.engine.async_llm import LOG_LEVELS, AsyncLLM
+from tokenloom.config import EngineConfig, add_engine_args, env_default
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.generation_defaults import load_generation_defaults
+from tokenloom.engine.request_log import LOG_LEVELS
+from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-from tokenloom.entrypoints.openai.serving_engine import (
+from tokenloom.entrypoints.openai.server_state import (
     DEFAULT_MAX_EXPECTED_LATENCY,
     DEFAULT_MAX_QUEUE_WAIT,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -46,6 +50,8 @@ from tokenloom.entrypoints.openai.serving_engine import (
     ServerShuttingDownError,
     ServerState,
 )
+from tokenloom.model.model_path import resolve_model_path
+from tokenloom.tracing import TracingUnavailableError, init_tracer
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -82,9 +88,6 @@ _json_object.__name__ = "JSON object"
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags plus the server's; each defaults to TOKENLOOM_<NAME> when set."""
-    from tokenloom.config import add_engine_args, env_default
-    from tokenloom.entrypoints.compat import add_common_args
-
     add_engine_args(parser)
     parser.add_argument("-m", "--model", dest="model_option", default=None,
                         help="the model, as an option (same as the positional argument)")
@@ -171,7 +174,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_common_args(parser)
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks of start-up errors")
-    # ---- reliability round two (issue 21): admission by expected wait, stalled streams, request templates
+    # ---- admission by expected wait, stalled streams, request templates
     opt("max_expected_latency", float, DEFAULT_MAX_EXPECTED_LATENCY,
         "answer 503 with Retry-After at once when a new request's expected time to complete (its wait plus its "
         "own decode in the batch it joins, from the engine's measured speed) exceeds this many seconds (0: no limit)")
@@ -202,7 +205,7 @@ class _Server(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self.exit_code = 0
 
-    def handle_exit(self, sig: int, frame: Any) -> None:  # called from the signal handler
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # called from the signal handler
         loop = self.loop
         if self.state.draining or loop is None:
             logger.warning("second signal: shutting down now")
@@ -246,12 +249,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def ready_line(url: str, engine: AsyncLLM) -> str:
-    info = engine.info
-    blocks, block_size = info.get("num_blocks"), info.get("block_size")
+    kv = engine.info.kv_cache if engine.info is not None else None
+    blocks, block_size = (kv.num_blocks, kv.block_size) if kv is not None else (None, None)
+    fit = kv.full_length_requests if kv is not None else None
     max_len = engine.max_model_len
-    fit = info.get("full_length_requests")
-    if fit is None and blocks and block_size and max_len:
-        fit = int(blocks) * int(block_size) // int(max_len)
     dp = engine.data_parallel_size
     replicas = f" | {dp} engine replicas (data parallel), each with" if dp > 1 else " |"
     return (f"tokenloom serving {engine.served_model_name} at {url}{replicas} KV cache: {blocks} blocks x "
@@ -329,18 +330,14 @@ class StartupError(RuntimeError):
 
 def _check_device(device: str) -> None:
     if device.startswith("cuda"):
-        import torch
+        import torch  # lazy: only --device cuda needs it, the API process does not otherwise
         if not torch.cuda.is_available():
             raise StartupError(f"--device {device}: no CUDA device is available (use --device cpu)")
 
 
-def prepare(args: argparse.Namespace):
+def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSettings | None, socket.socket | None]:
     """Everything that can fail fast, before the model loads: options, model path, device, port.
     Returns (config, served model names, settings, socket)."""
-    from tokenloom.config import EngineConfig
-    from tokenloom.entrypoints.compat import apply_threads, check_common_args, read_chat_template
-    from tokenloom.model.model_path import resolve_model_path
-
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
             raise StartupError(f"two models given: {args.model} and --model {args.model_option}")
@@ -379,7 +376,6 @@ def prepare(args: argparse.Namespace):
 
 
 def _apply_generation_config(engine: AsyncLLM, args: argparse.Namespace) -> None:
-    from tokenloom.engine.async_llm import load_generation_defaults
     if args.generation_config == "vllm":
         engine.generation_defaults = {}
     elif args.generation_config != "auto":
@@ -396,7 +392,7 @@ def _apply_generation_config(engine: AsyncLLM, args: argparse.Namespace) -> None
 async def serve(args: argparse.Namespace) -> int:
     config, names, settings, sock = prepare(args)
     if sock is None:  # a node > 0 of a multi-node engine: workers only (imported here: they need torch)
-        from tokenloom.executor.headless import run_headless
+        from tokenloom.executor.headless import run_headless  # lazy: it needs torch, the API process does not
         return run_headless(config)
     print(f"tokenloom: starting the engine for {config.model.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
@@ -416,7 +412,6 @@ async def serve(args: argparse.Namespace) -> int:
                         max_queue_wait=args.max_queue_wait,
                         max_expected_latency=args.max_expected_latency, stream_write_timeout=args.stream_write_timeout)
     if args.otlp_traces_endpoint:
-        from tokenloom.tracing import TracingUnavailableError, init_tracer
         try:
             engine.tracer = init_tracer("tokenloom.api_server", args.otlp_traces_endpoint)
         except TracingUnavailableError as e:

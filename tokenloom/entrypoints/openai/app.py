@@ -19,18 +19,21 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.entrypoints.openai.errors import BodyGuardMiddleware, NotFoundError, error_body, install_error_handlers
+from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
+from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenloom.entrypoints.openai.request_admission import AdmissionMiddleware
+from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
-from tokenloom.entrypoints.openai.serving_engine import AdmissionMiddleware, ServerState
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX, mount_ui
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
 
@@ -62,7 +65,6 @@ class ApiKeyMiddleware:
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
         self.open_prefix = None
         if open_ui:
-            from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX
             self.open_paths |= PUBLIC_PATHS
             self.open_prefix = PUBLIC_PREFIX
 
@@ -184,6 +186,5 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         return Response(m.render(), media_type=m.content_type)
 
     if settings.enable_ui:
-        from tokenloom.entrypoints.ui import mount_ui
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
     return app

@@ -4,21 +4,26 @@
 * `install_error_handlers(app)` maps pydantic / FastAPI validation errors to 400 with
   ``param`` naming the field, Starlette HTTP errors to the same shape, and anything
   unexpected to 500;
-* `BodyGuardMiddleware` answers malformed requests before they reach FastAPI: wrong
-  content type (400), oversized bodies (413), also for chunked uploads, and bodies
-  nested deeper than `limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`).
+* `engine_error_to_api_error` maps what the engine raises (dead, timed out, failed...) to its status.
+
+The body guard that answers malformed requests before FastAPI is body_guard.py.
 """
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenloom.core.json_value import JsonObject
+from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.dp_client import ReplicaUnavailableError
+from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError
+from tokenloom.entrypoints.openai.server_state import ServerShuttingDownError
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -40,7 +45,7 @@ class APIError(Exception):
         if error_type is not None:
             self.error_type = error_type
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
@@ -72,8 +77,26 @@ class ServiceUnavailableError(APIError):
 
 
 def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | None = None) -> JsonObject:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def engine_error_to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerShuttingDownError):
+        return ServiceUnavailableError(str(exc), code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, ReplicaUnavailableError):
+        return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
+    if isinstance(exc, DuplicateRequestIdError):
+        return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
+    if isinstance(exc, RequestFailedError):
+        return ServerError(f"the engine failed this request: {exc}", code="engine_error")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(str(exc), status_code=504, error_type="timeout_error", code="request_timeout")
+    return ServerError(f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
 def error_response(status: int, message: str, error_type: str | None = None, param: str | None = None,
@@ -88,11 +111,11 @@ def error_response(status: int, message: str, error_type: str | None = None, par
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 
 
-def _is_type_tag(part: Any) -> bool:
+def _is_type_tag(part: str | int) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
 
 
-def _param_path(loc: tuple) -> str | None:
+def _param_path(loc: tuple[str | int, ...]) -> str | None:
     """('body', 'messages', 0, 'role') -> 'messages[0].role'; union type tags are dropped."""
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -115,7 +138,7 @@ def _clean(msg: str) -> str:
     return msg
 
 
-def validation_error_to_api_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_error_to_api_error(errors: list[ErrorDetails]) -> APIError:
     """Turn pydantic's error list into one readable 400 naming the first bad field."""
     if not errors:
         return BadRequestError("invalid request")
@@ -170,78 +193,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal server error: {type(exc).__name__}", code="internal_error")
-
-
-# ------------------------------------------------------------------ body guard (pure ASGI)
-
-class BodyGuardMiddleware:
-    """Reject wrong content types (400) and bodies over `max_body_bytes` (413) up front.
-
-    The body is read here (bounded) and replayed to the app, so FastAPI never sees an
-    oversized one; after the body, `receive` passes through so disconnects still arrive.
-    """
-
-    def __init__(self, app, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-            return await self._reject(send, 400, f"Content-Type must be application/json, got {ctype!r}",
-                                      "invalid_content_type")
-        length = headers.get("content-length")
-        if length is not None:
-            try:
-                if int(length) > self.max_body_bytes:
-                    return await self._reject(send, 413, self._too_large(), "request_too_large")
-            except ValueError:
-                return await self._reject(send, 400, "invalid Content-Length header", "invalid_request")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                return await self._reject(send, 413, self._too_large(), "request_too_large")
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
-
-        body = b"".join(chunks)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return await self._reject(send, 400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_json")
-        if json_depth(body) > MAX_JSON_DEPTH:
-            return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                                      "nesting_too_deep")
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-    def _too_large(self) -> str:
-        return f"request body too large: the limit is {self.max_body_bytes} bytes"
-
-    @staticmethod
-    async def _reject(send, status: int, message: str, code: str) -> None:
-        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})

@@ -1,6 +1,6 @@
 """Limits on hostile or accidental oversized input, checked before any real work.
 
-Each limit answers 400 (413 for the body size, see errors.BodyGuardMiddleware) with a
+Each limit answers 400 (413 for the body size, see body_guard.BodyGuardMiddleware) with a
 message giving the limit and `param` naming the field:
 
 * JSON nesting depth of the body (`MAX_JSON_DEPTH`), scanned on the raw bytes before
@@ -23,9 +23,13 @@ the InputProcessor, the body size in the body guard.
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+import re._parser as sre_parse  # Python >= 3.11
+
+from pydantic import BaseModel
 
 from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 MAX_JSON_DEPTH = 64
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -52,9 +56,7 @@ def json_depth(body: bytes) -> int:
     opens = body.count(b"[") + body.count(b"{")
     if opens <= MAX_JSON_DEPTH:
         return opens
-    import re
-
-    import numpy as np
+    import numpy as np  # lazy: only a deeply bracketed body needs it
 
     stripped = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', body)
     brackets = stripped.translate(None, bytes(set(range(256)) - set(b"[]{}")))
@@ -67,7 +69,7 @@ def json_depth(body: bytes) -> int:
 
 # ------------------------------------------------------------------ helpers
 
-def _depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> int:
+def _depth(obj: object, limit: int = MAX_JSON_DEPTH) -> int:
     """Nesting depth of a parsed value (iterative; stops counting past `limit`)."""
     best = 0
     stack = [(obj, 1)]
@@ -86,7 +88,7 @@ def _depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> int:
     return best
 
 
-def _size(obj: Any) -> int:
+def _size(obj: object) -> int:
     try:
         return len(json.dumps(obj, separators=(",", ":"), default=str))
     except (TypeError, ValueError, RecursionError):
@@ -100,26 +102,20 @@ def _too_big(param: str, what: str, size: int, limit: int) -> BadRequestError:
 
 # ------------------------------------------------------------------ regex complexity
 
-def check_regex(pattern: Any, param: str) -> None:
+def check_regex(pattern: object, param: str) -> None:
     """Reject regexes that are too long, invalid, or would compile to a huge automaton."""
     if not isinstance(pattern, str):
         raise BadRequestError(f"{param}: a regex must be a string", param=param, code="invalid_value")
     if len(pattern) > MAX_REGEX_CHARS:
         raise BadRequestError(f"{param}: the regex has {len(pattern)} characters; the limit is {MAX_REGEX_CHARS}",
                               param=param, code="regex_too_complex")
-    import re
-
-    try:
-        import re._parser as sre_parse  # Python >= 3.11
-    except ImportError:  # pragma: no cover
-        import sre_parse  # type: ignore[no-redef]
     try:
         parsed = sre_parse.parse(pattern)
     except (re.error, RecursionError, OverflowError) as e:
         raise BadRequestError(f"{param}: invalid regex: {e}", param=param, code="invalid_value") from None
     maxrepeat = sre_parse.MAXREPEAT
 
-    def cost(items: Any, star_depth: int) -> int:
+    def cost(items: sre_parse.SubPattern, star_depth: int) -> int:
         total = 0
         for op, av in items:
             name = str(op)
@@ -151,7 +147,7 @@ def check_regex(pattern: Any, param: str) -> None:
 
 # ------------------------------------------------------------------ request checks
 
-def _check_structured(name: str, value: Any) -> None:
+def _check_structured(name: str, value: object) -> None:
     if value is None:
         return
     if _depth(value) > MAX_JSON_DEPTH:
@@ -191,7 +187,8 @@ def _check_structured(name: str, value: Any) -> None:
                               code="request_too_large")
 
 
-def check_request_limits(request: Any, max_model_len: int | None = None) -> None:
+def check_request_limits(request: ChatCompletionRequest | CompletionRequest | TokenizeRequest,
+                         max_model_len: int | None = None) -> None:
     """Every limit a chat / completion request body can break (raises BadRequestError)."""
     for name in _STRUCTURED_FIELDS:
         _check_structured(name, getattr(request, name, None))
@@ -226,7 +223,7 @@ def check_request_limits(request: Any, max_model_len: int | None = None) -> None
 
 # ------------------------------------------------------------------ text encoding
 
-def _lone_surrogate_path(value: Any, path: str) -> str | None:
+def _lone_surrogate_path(value: object, path: str) -> str | None:
     """Path of the first string holding a lone UTF-16 surrogate (JSON allows "\\ud800"; UTF-8 cannot
     encode it, so the tokenizer and the response writer would fail), or None. Iterative."""
     stack = [(value, path)]
@@ -250,7 +247,7 @@ def _lone_surrogate_path(value: Any, path: str) -> str | None:
     return None
 
 
-def check_text(request: Any) -> None:
+def check_text(request: BaseModel) -> None:
     """400 naming the field when any string of the request is not valid Unicode text."""
     bad = _lone_surrogate_path(request, "")
     if bad is not None:

@@ -9,9 +9,9 @@ Responses are built as plain dicts by the serving classes (see serving_*.py).
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 
 # Hard caps on request shapes (the body size limit caps strings and everything else).
 MAX_MESSAGES = 2048
@@ -84,19 +84,19 @@ class SamplingFields(OpenAIBaseModel):
     # Data parallel (-dp N): run on this engine replica (0..N-1) instead of the one the server picks.
     data_parallel_rank: Optional[int] = Field(None, ge=0)
     # Prefill/decode disaggregation (vLLM's field): set by `tokenloom router --pd`, answered by a prefill instance.
-    kv_transfer_params: Optional[dict[str, Any]] = Field(None, max_length=16)
+    kv_transfer_params: Optional[dict[str, JsonValue]] = Field(None, max_length=16)
     # Seconds the request may wait and run in all (capped by --request-timeout); past it: 504.
     timeout: Optional[float] = Field(None, gt=0, le=86400)
 
     # ---- accepted for the structured-outputs issue (not acted on yet)
-    response_format: Optional[dict[str, Any]] = None
-    structured_outputs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, JsonValue]] = None
+    structured_outputs: Optional[dict[str, JsonValue]] = None
     # Constraints (vLLM names; at most one per request, see entrypoints/openai/structured.py).
-    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_json: Optional[Union[str, dict[str, JsonValue]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    structural_tag: Optional[Union[str, dict[str, JsonValue]]] = None
     # With --reasoning-parser: end the reasoning after this many tokens.
     thinking_token_budget: Optional[int] = Field(None, ge=0)
     reasoning_max_tokens: Optional[int] = Field(None, ge=0)
@@ -156,7 +156,7 @@ class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    content: Optional[Union[str, list[dict[str, JsonValue]]]] = None
     name: Optional[str] = None
 
     @field_validator("content")
@@ -188,11 +188,11 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = Field(None, max_length=256 * 1024)
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
 
     # ---- accepted for the tools / reasoning issue (passed to the template only)
-    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=1024)
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[dict[str, JsonValue]]] = Field(None, max_length=1024)
+    tool_choice: Optional[Union[str, dict[str, JsonValue]]] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None
 
@@ -288,7 +288,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = Field(None, max_length=256 * 1024)
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, JsonValue]] = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -3,25 +3,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.entrypoints.openai.errors import BadRequestError
-from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenloom.entrypoints.openai.serving_engine import (
+from tokenloom.core.json_value import JsonObject
+from tokenloom.engine.input_processor import encode_text
+from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
+from tokenloom.entrypoints.openai.formatting import chat_logprobs, completion_tokens, prompt_logprobs, usage_body
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
+from tokenloom.entrypoints.openai.streaming import (
     SSE_DONE,
     DisconnectAwareStreamingResponse,
-    OpenAIServing,
-    completion_tokens,
-    engine_error_to_api_error,
     run_cancellable,
     sse,
     stream_error_chunk,
 )
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints, template_tools
 from tokenloom.outputs import RequestOutput
+from tokenloom.tokenizer.chat_template import ChatTemplateError
+from tokenloom.tokenizer.template_process import render_untrusted
 
 # Names the renderer takes itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents", "continue_final_message",
@@ -30,15 +33,13 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "docu
 
 class OpenAIServingChat(OpenAIServing):
 
-    def render_prompt(self, request: Any) -> tuple[str, list[int]]:
+    def render_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). Template errors are 400s.
 
         Blocking (template rendering and tokenization): the handlers call it via `render_prompt_async`.
         A template sent with the request is refused unless the server trusts request templates
         (--trust-request-chat-template, vLLM's flag); trusted, it renders in a separate process with
         memory and time limits (tokenizer/template_process.py)."""
-        from tokenloom.tokenizer.chat_template import ChatTemplateError
-
         custom = request.chat_template
         if custom is None and not self.tokenizer.chat_template:
             raise BadRequestError("this model has no chat template (a base model): use /v1/completions, or start "
@@ -61,8 +62,6 @@ class OpenAIServingChat(OpenAIServing):
                                   param="chat_template_kwargs", code="invalid_value")
         try:
             if custom is not None and custom != self.tokenizer.chat_template:
-                from tokenloom.tokenizer.template_process import render_untrusted
-
                 tok = self.tokenizer
                 special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
                 documents = kwargs.pop("documents", None)
@@ -80,11 +79,9 @@ class OpenAIServingChat(OpenAIServing):
             param = "chat_template" if custom else "messages"
             message = str(e) if str(e).startswith("chat template") else f"chat template failed: {e}"
             raise BadRequestError(message, param=param, code="invalid_value") from None
-        from tokenloom.engine.input_processor import encode_text
-
         return text, encode_text(self.tokenizer, text, add_special_tokens=False)
 
-    async def render_prompt_async(self, request: Any) -> tuple[str, list[int]]:
+    async def render_prompt_async(self, request: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """`render_prompt` off the event loop: a slow render never holds up other requests."""
         return await asyncio.to_thread(self.render_prompt, request)
 
@@ -115,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------ non-streamed
 
     async def _full(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
-                    created: int) -> dict[str, Any]:
+                    created: int) -> JsonObject:
         final: RequestOutput | None = None
         try:
             async for out in gen:
@@ -127,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
         for o in final.outputs:
             message, finish_reason = ChatOutputParser(request, self.engine.config, final.prompt or "").message(
                 o.text, o.finish_reason)
-            choice: dict[str, Any] = {
+            choice: JsonObject = {
                 "index": o.index,
                 "message": message,
                 "logprobs": None,
@@ -135,29 +132,29 @@ class OpenAIServingChat(OpenAIServing):
                 "stop_reason": o.stop_reason,
             }
             if request.logprobs and o.logprobs is not None:
-                choice["logprobs"] = {"content": self.chat_logprobs(o.token_ids, o.logprobs,
+                choice["logprobs"] = {"content": chat_logprobs(self.tokenizer, o.token_ids, o.logprobs,
                                                                     request.top_logprobs or 0)}
             if request.return_token_ids:
                 choice["token_ids"] = list(o.token_ids)
             choices.append(choice)
-        body: dict[str, Any] = {
+        body: JsonObject = {
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
             "system_fingerprint": self.system_fingerprint, "choices": choices,
-            "usage": self.usage(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
+            "usage": usage_body(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = list(final.prompt_token_ids)
         if request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs(final)
+            body["prompt_logprobs"] = prompt_logprobs(final)
         if final.kv_transfer_params is not None:  # a prefill instance's answer (PD)
             body["kv_transfer_params"] = final.kv_transfer_params
         return body
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None, with_usage_key: bool = False) -> str:
-        body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+               usage: JsonObject | None = None, with_usage_key: bool = False) -> str:
+        body: JsonObject = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                                 "model": self.model_name, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
@@ -182,16 +179,16 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens = len(out.prompt_token_ids)
                 cached = out.num_cached_tokens
                 generated = completion_tokens(out)
-                usage = self.usage(prompt_tokens, generated, cached) if continuous else None
+                usage = usage_body(prompt_tokens, generated, cached) if continuous else None
                 if first:
                     first = False
                     for i in range(n):
-                        choice: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
+                        choice: JsonObject = {"index": i, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}
                         if request.return_token_ids and i == 0:
                             choice["prompt_token_ids"] = list(out.prompt_token_ids)
                         yield self._chunk(request_id, created, [choice],
-                                          self.usage(prompt_tokens, 0, cached) if continuous else None,
+                                          usage_body(prompt_tokens, 0, cached) if continuous else None,
                                           include_usage)
                 for o in out.outputs:
                     i = o.index
@@ -207,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
                     if o.finish_reason is not None:
                         choice["stop_reason"] = o.stop_reason
                     if request.logprobs and o.logprobs is not None:
-                        choice["logprobs"] = {"content": self.chat_logprobs(
+                        choice["logprobs"] = {"content": chat_logprobs(self.tokenizer,
                             new_ids, o.logprobs[sent_tokens[i]:], request.top_logprobs or 0)}
                     if request.return_token_ids:
                         choice["token_ids"] = list(new_ids)
@@ -216,7 +213,7 @@ class OpenAIServingChat(OpenAIServing):
                     done[i] = o.finish_reason is not None
                     yield self._chunk(request_id, created, [choice], usage, include_usage)
             if include_usage:
-                yield self._chunk(request_id, created, [], self.usage(prompt_tokens, generated, cached))
+                yield self._chunk(request_id, created, [], usage_body(prompt_tokens, generated, cached))
         except Exception as e:  # noqa: BLE001 - the stream ends with an error chunk, then [DONE]
             yield stream_error_chunk(e)
         yield SSE_DONE

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.entrypoints.openai.errors import engine_error_to_api_error
+from tokenloom.entrypoints.openai.formatting import completion_logprobs, completion_tokens, prompt_logprobs, usage_body
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
-from tokenloom.entrypoints.openai.serving_engine import (
+from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
+from tokenloom.entrypoints.openai.streaming import (
     SSE_DONE,
     DisconnectAwareStreamingResponse,
-    OpenAIServing,
-    completion_tokens,
-    engine_error_to_api_error,
     merge_generators,
     run_cancellable,
     sse,
@@ -76,15 +77,15 @@ class OpenAIServingCompletion(OpenAIServing):
         top = request.logprobs
         if echo_text is not None:
             prompt_lps = ro.prompt_logprobs or [None] * len(ro.prompt_token_ids)
-            lp = self.completion_logprobs(ro.prompt_token_ids + o.token_ids[start:],
+            lp = completion_logprobs(self.tokenizer, ro.prompt_token_ids + o.token_ids[start:],
                                           list(prompt_lps) + list(o.logprobs[start:]), top, text_offset)
         else:
-            lp = self.completion_logprobs(o.token_ids[start:], o.logprobs[start:], top, text_offset)
+            lp = completion_logprobs(self.tokenizer, o.token_ids[start:], o.logprobs[start:], top, text_offset)
         return lp
 
     def _choice(self, request: CompletionRequest, index: int, text: str, o: CompletionOutput,
-                logprobs: Any, finish: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                logprobs: JsonValue, finish: bool) -> JsonObject:
+        choice: JsonObject = {"index": index, "text": text, "logprobs": logprobs,
                                   "finish_reason": o.finish_reason if finish else None}
         if finish:
             choice["stop_reason"] = o.stop_reason
@@ -93,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------ non-streamed
 
     async def _full(self, request: CompletionRequest, gens: list[AsyncIterator[RequestOutput]],
-                    prompt_texts: list[str], request_id: str, created: int) -> dict[str, Any]:
+                    prompt_texts: list[str], request_id: str, created: int) -> JsonObject:
         finals: list[RequestOutput | None] = [None] * len(gens)
         try:
             async for i, out in merge_generators(gens):
@@ -116,20 +117,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice["prompt_token_ids"] = list(ro.prompt_token_ids)
                     choice["token_ids"] = list(o.token_ids)
                 if request.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.prompt_logprobs(ro)
+                    choice["prompt_logprobs"] = prompt_logprobs(ro)
                 choices.append(choice)
         body = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "system_fingerprint": self.system_fingerprint, "choices": choices,
-                "usage": self.usage(prompt_tokens, generated, cached)}
+                "usage": usage_body(prompt_tokens, generated, cached)}
         if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's answer (PD)
             body["kv_transfer_params"] = finals[0].kv_transfer_params
         return body
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None, with_usage_key: bool) -> str:
-        body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+               usage: JsonObject | None, with_usage_key: bool) -> str:
+        body: JsonObject = {"id": request_id, "object": "text_completion", "created": created,
                                 "model": self.model_name, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
@@ -148,9 +149,9 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and request.continuous_usage
         latest: list[RequestOutput | None] = [None] * len(gens)
 
-        def usage_now() -> dict[str, Any]:
+        def usage_now() -> JsonObject:
             outs = [ro for ro in latest if ro is not None]
-            return self.usage(sum(len(ro.prompt_token_ids) for ro in outs), sum(completion_tokens(ro) for ro in outs),
+            return usage_body(sum(len(ro.prompt_token_ids) for ro in outs), sum(completion_tokens(ro) for ro in outs),
                               sum(ro.num_cached_tokens for ro in outs))
 
         try:

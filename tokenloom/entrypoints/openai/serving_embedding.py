@@ -22,17 +22,13 @@ from pydantic import Field
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.load_estimator import PROMPT_TOKEN_WEIGHT
 from tokenloom.entrypoints.openai.admission import Arrival
-from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
+from tokenloom.entrypoints.openai.formatting import random_id
 from tokenloom.entrypoints.openai.limits import check_text
 from tokenloom.entrypoints.openai.protocol import OpenAIBaseModel
-from tokenloom.entrypoints.openai.serving_engine import (
-    CHARS_PER_TOKEN_ESTIMATE,
-    OpenAIServing,
-    engine_error_to_api_error,
-    merge_generators,
-    random_id,
-    run_cancellable,
-)
+from tokenloom.entrypoints.openai.request_admission import CHARS_PER_TOKEN_ESTIMATE
+from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
+from tokenloom.entrypoints.openai.streaming import merge_generators, run_cancellable
 from tokenloom.model.pooling_config import truncate
 
 # Inputs per request: OpenAI's limit for an array input.

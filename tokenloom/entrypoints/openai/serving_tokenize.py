@@ -6,11 +6,13 @@ work runs off the event loop: a large prompt never pauses other requests' stream
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from tokenloom.core.json_value import JsonObject
+from tokenloom.engine.input_processor import encode_text
 from tokenloom.entrypoints.openai.errors import BadRequestError, NotFoundError
+from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 from tokenloom.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -22,26 +24,22 @@ class OpenAIServingTokenization(OpenAIServingChat):
             raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     async def tokenize(self, request: TokenizeRequest) -> JSONResponse:
-        from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
-
         self._check_model(request.model)
         check_text(request)
         check_request_limits(request, self.engine.max_model_len)
         if request.messages is not None:
             _, ids = await self.render_prompt_async(request)
         else:
-            from tokenloom.engine.input_processor import encode_text
-
             ids = await asyncio.to_thread(encode_text, self.tokenizer, request.prompt or "",
                                           request.add_special_tokens)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        body: JsonObject = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if request.return_token_strs:
             body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         # A JSONResponse, not a dict: FastAPI's jsonable_encoder walks a returned dict item by item on the
         # event loop (~1 s for a dozen 26,000-token answers here); json.dumps of plain ints is C code.
         return JSONResponse(body)
 
-    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+    def detokenize(self, request: DetokenizeRequest) -> JsonObject:
         self._check_model(request.model)
         vocab = self.tokenizer.vocab_size
         bad = [t for t in request.tokens if t >= vocab]

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any
 
+from tokenloom.config import EngineConfig
+from tokenloom.core.json_value import JsonObject, JsonValue
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
+from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
+from tokenloom.structured.backend import get_backend
 from tokenloom.structured.errors import StructuredOutputError
 from tokenloom.structured.reasoning import get_reasoning_parser
-from tokenloom.structured.spec import check_schema, close_objects, normalize_structured_outputs
-from tokenloom.structured.tool_parsers import get_tool_parser
+from tokenloom.structured.spec import OPTION_KEYS, check_schema, close_objects, normalize_structured_outputs
+from tokenloom.structured.tool_parsers import ToolCall, get_tool_parser
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -28,7 +32,7 @@ def _bad(message: str, param: str | None) -> BadRequestError:
     return BadRequestError(message, param=param, code="invalid_value")
 
 
-def _constraints(request: Any) -> list[tuple[str, dict[str, Any], str]]:
+def _constraints(request: SamplingFields) -> list[tuple[str, JsonObject, str | None]]:
     """(field name, structured_outputs dict, where) for each constraint the request sets."""
     found = []
     rf = getattr(request, "response_format", None)
@@ -58,8 +62,6 @@ def _constraints(request: Any) -> list[tuple[str, dict[str, Any], str]]:
             found.append((field, {key: value}, field))
     so = getattr(request, "structured_outputs", None)
     if so:
-        from tokenloom.structured.spec import OPTION_KEYS
-
         if any(k not in OPTION_KEYS for k in so):
             found.append(("structured_outputs", dict(so), None))
         else:  # options only (e.g. any_whitespace): they apply to the JSON constraint given elsewhere
@@ -67,7 +69,7 @@ def _constraints(request: Any) -> list[tuple[str, dict[str, Any], str]]:
     return found
 
 
-def _functions(request: Any) -> list[dict[str, Any]]:
+def _functions(request: ChatCompletionRequest) -> list[JsonObject]:
     out = []
     for i, tool in enumerate(getattr(request, "tools", None) or ()):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -83,7 +85,7 @@ def _functions(request: Any) -> list[dict[str, Any]]:
     return out
 
 
-def tool_mode(request: Any) -> str:
+def tool_mode(request: ChatCompletionRequest) -> str:
     """none | auto | required | the named function's name."""
     tools = getattr(request, "tools", None)
     choice = getattr(request, "tool_choice", None)
@@ -104,18 +106,18 @@ def tool_mode(request: Any) -> str:
     return choice
 
 
-def template_tools(request: Any) -> list[dict[str, Any]] | None:
+def template_tools(request: ChatCompletionRequest) -> list[dict[str, JsonValue]] | None:
     tools = getattr(request, "tools", None)
     return None if not tools or getattr(request, "tool_choice", None) == "none" else tools
 
 
-def _any_whitespace(request: Any) -> bool:
+def _any_whitespace(request: SamplingFields) -> bool:
     """The request's ``structured_outputs.any_whitespace`` option (free JSON whitespace; default compact)."""
     so = getattr(request, "structured_outputs", None)
     return isinstance(so, dict) and so.get("any_whitespace") is True
 
 
-def _tool_constraint(request: Any, parser_name: str | None) -> dict[str, Any] | None:
+def _tool_constraint(request: ChatCompletionRequest, parser_name: str | None) -> JsonObject | None:
     """The constraint tool_choice puts on the output: for a named function, its arguments as JSON
     (the server writes the call around them: the model spends no tokens on the wrapper or the name
     it was given); for ``required``, one or more complete calls in the parser's format (exactly one
@@ -146,12 +148,13 @@ def _tool_constraint(request: Any, parser_name: str | None) -> dict[str, Any] | 
                                                                             _any_whitespace(request))}
 
 
-async def apply_constraints(serving: Any, request: Any, params: SamplingParams, chat: bool = False
-                            ) -> SamplingParams:
+async def apply_constraints(serving: OpenAIServing, request: SamplingFields, params: SamplingParams,
+                            chat: bool = False) -> SamplingParams:
     """The request's constraint and thinking budget on `params`; 400 on anything invalid."""
     config = serving.engine.config
     found = _constraints(request)
     if chat:
+        assert isinstance(request, ChatCompletionRequest)
         tool = _tool_constraint(request, getattr(config, "tool_call_parser", None))
         if tool is not None:
             found.append(("tool_choice", tool, "tool_choice"))
@@ -172,8 +175,8 @@ async def apply_constraints(serving: Any, request: Any, params: SamplingParams, 
         try:
             spec = normalize_structured_outputs(so, field, where)
             if spec is not None:
-                from tokenloom.structured.backend import get_backend
                 ip = serving.engine.input_processor
+                assert ip is not None
                 backend = get_backend(serving.tokenizer, ip.vocab_size)
                 await asyncio.to_thread(backend.compile, spec, where or field)
         except StructuredOutputError as e:
@@ -189,9 +192,7 @@ class ChatOutputParser:
     the call, whole or streamed, and the finish reason stays OpenAI's for a forced function ("stop").
     Otherwise calls the model wrote make a "stop" finish "tool_calls" (auto and required)."""
 
-    def __init__(self, request: Any, config: Any, prompt_text: str) -> None:
-        from tokenloom.structured.tool_parsers import ToolCall
-
+    def __init__(self, request: ChatCompletionRequest, config: EngineConfig, prompt_text: str) -> None:
         name = getattr(config, "reasoning_parser", None)
         self.reasoning = get_reasoning_parser(name)(prompt_text) if name else None
         mode = tool_mode(request)
@@ -204,8 +205,8 @@ class ChatOutputParser:
         self.num_calls = 0
 
     # ---- whole
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        msg: dict[str, Any] = {"role": "assistant"}
+    def message(self, text: str, finish_reason: str | None) -> tuple[JsonObject, str | None]:
+        msg: JsonObject = {"role": "assistant"}
         content: str | None = text
         if self.reasoning is not None:
             msg["reasoning_content"], content = self.reasoning.extract(text)
@@ -227,9 +228,9 @@ class ChatOutputParser:
         return msg, finish_reason
 
     # ---- streamed
-    def delta(self, text_delta: str, final: bool) -> dict[str, Any]:
+    def delta(self, text_delta: str, final: bool) -> JsonObject:
         """Delta fields for new text (final=True flushes whatever was held back)."""
-        out: dict[str, Any] = {}
+        out: JsonObject = {}
         reasoning, content = "", text_delta
         if self.reasoning is not None:
             r1, c1 = self.reasoning.feed(text_delta)
@@ -239,14 +240,14 @@ class ChatOutputParser:
             out["reasoning_content"] = reasoning
         if self.named_call is not None:
             if content or (final and not self.named_started):
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": content}}
+                call: JsonObject = {"index": 0, "function": {"arguments": content}}
                 if not self.named_started:
                     self.named_started = True
                     call = {"index": 0, "id": self.named_call.id, "type": "function",
                             "function": {"name": self.named, "arguments": content}}
                 out["tool_calls"] = [call]
             return out
-        calls: list[dict[str, Any]] = []
+        calls: list[JsonObject] = []
         if self.tools is not None:
             c1, calls = self.tools.feed(content)
             if final:

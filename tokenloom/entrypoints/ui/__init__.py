@@ -12,12 +12,12 @@ endpoint shows request ids and is behind --api-key like every API route.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.ui.status import StatusTracker
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -29,7 +29,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'none'")
 
 
-def mount_ui(app: FastAPI, engine: Any, api_key_required: bool = False) -> StatusTracker:
+def mount_ui(app: FastAPI, engine: AsyncLLM, api_key_required: bool = False) -> StatusTracker:
     """Add `/`, `/ui/static/*` and `/ui/api/status` to `app`.
 
     With an API key the page is told so (``<body data-auth="required">``) and asks for the key

@@ -21,9 +21,12 @@ import os
 import re
 import time
 from collections import deque
-from typing import Any
+from dataclasses import asdict, dataclass
 
 import tokenloom
+from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.core.stats import EngineStats
+from tokenloom.engine.async_llm import AsyncLLM
 
 WINDOW_S = 60.0
 MAX_ERRORS = 20
@@ -52,7 +55,7 @@ class _RecentErrors(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
-        self.records: deque[dict[str, Any]] = deque(maxlen=MAX_ERRORS)
+        self.records: deque[JsonObject] = deque(maxlen=MAX_ERRORS)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -63,16 +66,32 @@ class _RecentErrors(logging.Handler):
                              "message": message[:500]})
 
 
+@dataclass
+class HistoryPoint:
+    """One second of the page's charts."""
+
+    t: float
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    budget_use: float | None = None  # tokens computed per step over the step's token budget
+
+
+_RATE_COUNTERS = ("prompt_tokens", "generation_tokens", "steps", "batched_tokens")
+
+
 class StatusTracker:
     """Collects the engine view's numbers for one server (one `AsyncLLM`)."""
 
-    def __init__(self, engine: Any, window_s: float = WINDOW_S) -> None:
+    def __init__(self, engine: AsyncLLM, window_s: float = WINDOW_S) -> None:
         self.engine = engine
         self.window_s = window_s
         self.started = time.time()
         self.latencies: dict[str, deque[tuple[float, float]]] = {k: deque() for k in ("ttft", "tpot", "e2e")}
-        self.history: deque[dict[str, Any]] = deque()
-        self._counters: deque[tuple[float, dict[str, Any]]] = deque()  # (time, engine counters)
+        self.history: deque[HistoryPoint] = deque()
+        self._counters: deque[tuple[float, dict[str, int]]] = deque()  # (time, engine counters)
         self.errors = _RecentErrors()
         logging.getLogger("tokenloom").addHandler(self.errors)
         if engine.metrics is not None:
@@ -95,46 +114,42 @@ class StatusTracker:
         for series in self.latencies.values():
             while series and series[0][0] < cutoff:
                 series.popleft()
-        while self.history and self.history[0]["t"] < cutoff:
+        while self.history and self.history[0].t < cutoff:
             self.history.popleft()
 
     # ------------------------------------------------------------------ outputs
 
-    def header(self) -> dict[str, Any]:
+    def header(self) -> JsonObject:
         """What does not change while the server runs: model, dtypes, KV cache, version."""
         e = self.engine
         info = e.info
-        model_path = getattr(e, "model_path", None) or ""
+        model_path = e.model_path or ""
         weights = os.path.basename(model_path) if model_path else None
         return {
             "model": e.served_model_name,
             "model_path": model_path,
             "weights_file": weights,
             "quantization": quantization(weights),
-            "dtype": info.get("dtype") or e.config.model.dtype,
-            "kv_cache_dtype": info.get("kv_cache_dtype"),
-            "device": info.get("device"),
-            "kv_blocks": info.get("num_blocks"),
-            "block_size": info.get("block_size"),
+            "dtype": (info.dtype if info else None) or e.config.model.dtype,
+            "kv_cache_dtype": info.kv_cache.dtype if info else None,
+            "device": info.device if info else None,
+            "kv_blocks": info.kv_cache.num_blocks if info else None,
+            "block_size": info.kv_cache.block_size if info else None,
             "max_model_len": e.max_model_len,
             "max_num_seqs": e.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
-            "tensor_parallel_size": info.get("tensor_parallel_size", 1),
+            "tensor_parallel_size": info.tensor_parallel_size if info else 1,
             "version": tokenloom.__version__,
             "started": self.started,
         }
 
-    def _sample(self, now: float, stats: dict[str, Any]) -> dict[str, Any]:
+    def _sample(self, now: float, stats: EngineStats) -> HistoryPoint:
         """One history point: the engine's gauges plus token rates over the last RATE_SPAN_S
         seconds (a 1-second difference of step counters is too jumpy to read: a step can
         take longer than a second on a loaded CPU)."""
-        counters = {k: stats.get(k, 0) or 0 for k in ("prompt_tokens", "generation_tokens", "steps",
-                                                      "batched_tokens")}
-        point: dict[str, Any] = {
-            "t": now, "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
-            "kv_cache_usage": stats.get("kv_cache_usage", 0.0), "prompt_tps": 0.0, "generation_tps": 0.0,
-            "budget_use": None,
-        }
+        counters = {k: getattr(stats, k) for k in _RATE_COUNTERS}
+        point = HistoryPoint(t=now, running=stats.num_running, waiting=stats.num_waiting,
+                             kv_cache_usage=stats.kv_cache_usage)
         # The oldest sample within the span (the last one when the page was away longer).
         base = next(((t, c) for t, c in self._counters if now - t <= RATE_SPAN_S), None)
         if base is None and self._counters:
@@ -144,46 +159,52 @@ class StatusTracker:
             dt = max(now - t0, 1e-6)
             # An engine restart resets its counters: a negative delta counts as zero.
             delta = {k: max(0, counters[k] - c0.get(k, 0)) for k in counters}
-            point["prompt_tps"] = delta["prompt_tokens"] / dt
-            point["generation_tps"] = delta["generation_tokens"] / dt
+            point.prompt_tps = delta["prompt_tokens"] / dt
+            point.generation_tps = delta["generation_tokens"] / dt
             budget = self.engine.config.scheduler.max_num_batched_tokens
             if delta["steps"] and budget:
-                point["budget_use"] = delta["batched_tokens"] / (delta["steps"] * budget)
+                point.budget_use = delta["batched_tokens"] / (delta["steps"] * budget)
         self._counters.append((now, counters))
         while self._counters and now - self._counters[0][0] > RATE_SPAN_S + 2:
             self._counters.popleft()
         return point
 
-    def snapshot(self) -> dict[str, Any]:
+    def requests(self, now: float) -> list[JsonValue]:
+        """The open requests, oldest first: id, state, token counts, age."""
+        return [{"id": s.request_id, "age": now - s.arrival, "prompt_tokens": s.num_prompt_tokens,
+                 "output_tokens": s.generated, "seqs": s.num_seqs, "state": s.stage}
+                for s in self.engine.open_requests()]
+
+    def snapshot(self) -> JsonObject:
         """Everything the engine view shows, as JSON-ready data."""
         now = time.time()
         stats = self.engine.engine_stats
-        if not self.history or now - self.history[-1]["t"] >= 0.9:
+        if not self.history or now - self.history[-1].t >= 0.9:
             self.history.append(self._sample(now, stats))
         self._trim(now)
-        queries = stats.get("prefix_cache_queries") or 0
-        hits = stats.get("prefix_cache_hits") or 0
-        latency = {name: {**percentiles([v for _, v in series]), "count": len(series)}
-                   for name, series in self.latencies.items()}
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        latency: JsonObject = {name: {**percentiles([v for _, v in series]), "count": len(series)}
+                               for name, series in self.latencies.items()}
         latest = self.history[-1]
+        info = self.engine.info
         return {
             "time": now,
             "healthy": bool(self.engine.is_healthy),
             "header": self.header(),
-            "running": stats.get("num_running", 0),
-            "waiting": stats.get("num_waiting", 0),
-            "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
-            "kv_blocks_used": stats.get("kv_blocks_used", 0),
-            "kv_blocks_total": stats.get("kv_blocks_total", self.engine.info.get("num_blocks")),
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "kv_blocks_used": stats.kv_blocks_used,
+            "kv_blocks_total": stats.kv_blocks_total or (info.kv_cache.num_blocks if info else None),
             "prefix_cache_hit_rate": hits / queries if queries else None,
-            "num_preemptions": stats.get("num_preemptions", 0),
-            "prompt_tokens_total": stats.get("prompt_tokens", 0),
-            "generation_tokens_total": stats.get("generation_tokens", 0),
-            "prompt_tps": latest["prompt_tps"],
-            "generation_tps": latest["generation_tps"],
-            "budget_use": latest["budget_use"],
+            "num_preemptions": stats.num_preemptions,
+            "prompt_tokens_total": stats.prompt_tokens,
+            "generation_tokens_total": stats.generation_tokens,
+            "prompt_tps": latest.prompt_tps,
+            "generation_tps": latest.generation_tps,
+            "budget_use": latest.budget_use,
             "latency": latency,
-            "history": list(self.history),
-            "requests": self.engine.inflight_requests(),
+            "history": [asdict(p) for p in self.history],
+            "requests": self.requests(now),
             "errors": list(reversed(self.errors.records)),
         }

@@ -1,0 +1,82 @@
+"""The body guard (pure ASGI): malformed requests are answered before they reach FastAPI: a wrong content type
+(400), an oversized body (413), also for chunked uploads, a body that is not UTF-8 or is nested deeper than
+`limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`)."""
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenloom.entrypoints.openai.errors import error_body
+from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
+
+
+class BodyGuardMiddleware:
+    """Reject wrong content types (400) and bodies over `max_body_bytes` (413) up front.
+
+    The body is read here (bounded) and replayed to the app, so FastAPI never sees an
+    oversized one; after the body, `receive` passes through so disconnects still arrive.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            return await self._reject(send, 400, f"Content-Type must be application/json, got {ctype!r}",
+                                      "invalid_content_type")
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body_bytes:
+                    return await self._reject(send, 413, self._too_large(), "request_too_large")
+            except ValueError:
+                return await self._reject(send, 400, "invalid Content-Length header", "invalid_request")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                return await self._reject(send, 413, self._too_large(), "request_too_large")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await self._reject(send, 400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_json")
+        if json_depth(body) > MAX_JSON_DEPTH:
+            return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                                      "nesting_too_deep")
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body too large: the limit is {self.max_body_bytes} bytes"
+
+    @staticmethod
+    async def _reject(send: Send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
