@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.pooling_config import PoolingConfig
+from tokenloom.core.pooling import PoolingConfig
 
 
 def pool(hidden: torch.Tensor, config: PoolingConfig) -> torch.Tensor:

@@ -21,7 +21,7 @@ import json
 from collections import OrderedDict
 from typing import Protocol
 
-from tokenloom.core.json_value import JsonValue
+from tokenloom.core.json_types import JsonValue
 from tokenloom.router.workers import Worker
 
 POLICIES = ("round_robin", "least_load", "cache_aware")

@@ -20,7 +20,7 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tokenloom.core.json_value import JsonValue
+from tokenloom.core.json_types import JsonValue
 from tokenloom.router import pd
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.router.policy import RoutingPolicy

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
@@ -27,7 +28,7 @@ from tokenloom.model.layers.attention_select import choose_attention_backend, ma
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
-from tokenloom.model.pooling_config import PoolingConfig, pooling_for, sentence_max_length
+from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
 from tokenloom.worker.draft_model import build_drafter, check_draft_vocabulary
 from tokenloom.worker.forward_path import choose_forward_path, wants_cuda_graphs

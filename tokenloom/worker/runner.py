@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from tokenloom.core.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
+from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.pooler import pool
-from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
 from tokenloom.spec_decode.proposer import WorkerProposer

@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.core.kv_metadata import KVWorkerInfo
-from tokenloom.model.pooling_config import PoolingConfig
+from tokenloom.core.pooling import PoolingConfig
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenloom.core.json_value import JsonObject
+from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError

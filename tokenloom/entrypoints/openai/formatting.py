@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import uuid
 
-from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenloom.tokenizer import Tokenizer
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.core.json_value import JsonObject
+from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.input_processor import encode_text
 from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
 from tokenloom.entrypoints.openai.formatting import chat_logprobs, completion_tokens, prompt_logprobs, usage_body

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.entrypoints.openai.errors import engine_error_to_api_error
 from tokenloom.entrypoints.openai.formatting import completion_logprobs, completion_tokens, prompt_logprobs, usage_body
 from tokenloom.entrypoints.openai.protocol import CompletionRequest

@@ -9,7 +9,7 @@ import asyncio
 
 from fastapi.responses import JSONResponse
 
-from tokenloom.core.json_value import JsonObject
+from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.input_processor import encode_text
 from tokenloom.entrypoints.openai.errors import BadRequestError, NotFoundError
 from tokenloom.entrypoints.openai.limits import check_request_limits, check_text

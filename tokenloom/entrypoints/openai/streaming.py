@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from tokenloom.core.json_value import JsonObject
+from tokenloom.core.json_types import JsonObject
 from tokenloom.entrypoints.openai.errors import engine_error_to_api_error, error_body
 
 logger = logging.getLogger("tokenloom.server")

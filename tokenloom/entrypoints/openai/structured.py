@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import replace
 
 from tokenloom.config import EngineConfig
-from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields

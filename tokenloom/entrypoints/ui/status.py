@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 import tokenloom
-from tokenloom.core.json_value import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.core.stats import EngineStats
 from tokenloom.engine.async_llm import AsyncLLM
 
