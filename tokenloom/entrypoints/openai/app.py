@@ -19,6 +19,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.native.routes import register_native_routes
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.protocol import (
@@ -184,6 +185,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
             return Response(b"", media_type="text/plain")
         engine.update_engine_metrics()
         return Response(m.render(), media_type=m.content_type)
+
+    register_native_routes(app, engine, names, state, chat, completion, embedding)
 
     if settings.enable_ui:
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))

@@ -2,7 +2,8 @@
 
 * `APIError` (and its subclasses) is what the serving code raises;
 * `install_error_handlers(app)` maps pydantic / FastAPI validation errors to 400 with
-  ``param`` naming the field, Starlette HTTP errors to the same shape, and anything
+  ``param`` naming the field, Starlette HTTP errors to the same shape (a path no route serves:
+  404 naming the nearest served path, in Ollama's ``{"error": "..."}`` under /api/), and anything
   unexpected to 500;
 * `engine_error_to_api_error` maps what the engine raises (dead, timed out, failed...) to its status.
 
@@ -23,6 +24,7 @@ from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError
+from tokenloom.entrypoints.openai.route_suggest import not_found_message
 from tokenloom.entrypoints.openai.server_state import ServerShuttingDownError
 
 logger = logging.getLogger("tokenloom.server")
@@ -186,6 +188,10 @@ def install_error_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
+        if status == 404 and message == phrase:  # no route: name the nearest one (a handler's 404 says more)
+            message = not_found_message(request.url.path, request.app.routes)
+            if request.url.path.startswith("/api/"):
+                return JSONResponse({"error": message}, status_code=404)
         code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(status)
         return error_response(status, message, code=code)
 
