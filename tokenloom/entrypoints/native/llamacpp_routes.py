@@ -17,10 +17,10 @@ from tokenloom.entrypoints.native.llamacpp_translate import (
     props,
 )
 from tokenloom.entrypoints.native.native_errors import llamacpp_error, native_errors, parse_body
-from tokenloom.entrypoints.native.relay import GenerationTimer, call_openai
+from tokenloom.entrypoints.native.relay import GenerationTimer, stream_openai
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse
+from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, run_cancellable
 
 
 class LlamaCppServing:
@@ -33,12 +33,11 @@ class LlamaCppServing:
         request = await parse_body(LlamaCppCompletionRequest, raw_request)
         model = self.names[0]
         prompt = prompt_text(request.prompt)
-        result = await call_openai(self.completion.create, completion_request(request, model), raw_request)
-        if result is None:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(completion_answer(result, model, prompt, timer))
-        return DisconnectAwareStreamingResponse(completion_stream(result, model, prompt, timer),
+        events = await stream_openai(self.completion.create, completion_request(request, model), raw_request)
+        if not request.stream:
+            body = await run_cancellable(raw_request, completion_answer(events, model, prompt, timer))
+            return Response(status_code=499) if body is None else JSONResponse(body)
+        return DisconnectAwareStreamingResponse(completion_stream(events, model, prompt, timer),
                                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                                 write_timeout=self.state.stream_write_timeout)
 

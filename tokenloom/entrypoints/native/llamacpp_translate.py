@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.generation_defaults import GenerationDefaults
 from tokenloom.entrypoints.native.llamacpp_protocol import LlamaCppCompletionRequest
-from tokenloom.entrypoints.native.relay import GenerationTimer, StreamTotals, text_deltas
-from tokenloom.entrypoints.openai.errors import validation_error_to_api_error
+from tokenloom.entrypoints.native.relay import GenerationTimer, StreamTotals, collect, text_deltas
+from tokenloom.entrypoints.openai.errors import ServerError, validation_error_to_api_error
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
 from tokenloom.entrypoints.openai.streaming import sse
 
@@ -33,7 +33,9 @@ _FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
 
 def completion_request(request: LlamaCppCompletionRequest, model: str) -> CompletionRequest:
     """/completion -> /v1/completions (400 as /v1 answers it for a bad value)."""
-    body: JsonObject = {"model": model, "prompt": request.prompt, "stream": request.stream}
+    # Streamed from the handler either way (see relay.py); usage for the final counts.
+    body: JsonObject = {"model": model, "prompt": request.prompt, "stream": True,
+                        "stream_options": {"include_usage": True}}
     for name, field in _FIELDS.items():
         value = getattr(request, name)
         if value is not None:
@@ -47,8 +49,6 @@ def completion_request(request: LlamaCppCompletionRequest, model: str) -> Comple
     if request.json_schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema",
                                                                           "schema": request.json_schema}}
-    if request.stream:
-        body["stream_options"] = {"include_usage": True}
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -88,14 +88,15 @@ def final_answer(content: str, model: str, prompt: str, finish_reason: str | Non
             "timings": timings(prompt_tokens, completion_tokens, timer)}
 
 
-def completion_answer(body: JsonObject, model: str, prompt: str, timer: GenerationTimer) -> JsonObject:
-    """A text_completion -> /completion's answer."""
-    timer.finish()
-    choice = body["choices"][0]
-    usage = body.get("usage") or {}
-    return final_answer(choice.get("text") or "", model, prompt, choice.get("finish_reason"),
-                        choice.get("stop_reason"), usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                        timer)
+async def completion_answer(events: AsyncIterator[JsonObject], model: str, prompt: str,
+                            timer: GenerationTimer) -> JsonObject:
+    """An OpenAI completion stream -> /completion's one answer (an error raises it, for the error shape)."""
+    totals = StreamTotals()
+    whole = await collect(events, totals, timer)
+    if totals.error is not None:
+        raise ServerError(totals.error, code="engine_error")
+    return final_answer(whole.text, model, prompt, totals.finish_reason, totals.stop_reason, totals.prompt_tokens,
+                        totals.completion_tokens, timer)
 
 
 async def completion_stream(events: AsyncIterator[JsonObject], model: str, prompt: str,

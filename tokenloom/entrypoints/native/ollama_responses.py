@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 from tokenloom.core.json_types import JsonObject, JsonValue
-from tokenloom.entrypoints.native.relay import GenerationTimer, StreamTotals, text_deltas
+from tokenloom.entrypoints.native.relay import GenerationTimer, StreamTotals, TextDelta, collect, text_deltas
+from tokenloom.entrypoints.openai.errors import ServerError
 
 
 def created_at() -> str:
@@ -67,32 +68,33 @@ def load_answer(model: str, chat: bool) -> JsonObject:
 
 # ------------------------------------------------------------------ whole answers
 
-def chat_answer(body: JsonObject, model: str, timer: GenerationTimer) -> JsonObject:
-    """A chat.completion -> /api/chat's one object."""
-    choice = body["choices"][0]
-    usage = body.get("usage") or {}
-    m = choice.get("message") or {}
-    calls = [tool_call(c["function"]["name"], c["function"].get("arguments") or "")
-             for c in m.get("tool_calls") or ()]
-    timer.finish()
-    return {"model": model, "created_at": created_at(),
-            "message": message(m.get("content") or "", m.get("reasoning_content") or "", calls),
-            **final_fields(choice.get("finish_reason"), usage.get("prompt_tokens", 0),
-                           usage.get("completion_tokens", 0), timer)}
+def _calls(totals: StreamTotals) -> list[JsonValue]:
+    return [tool_call(c["name"], c["arguments"]) for _, c in sorted(totals.tool_calls.items())]
 
 
-def generate_answer(body: JsonObject, model: str, timer: GenerationTimer) -> JsonObject:
-    """A chat.completion or text_completion -> /api/generate's one object."""
-    choice = body["choices"][0]
-    usage = body.get("usage") or {}
-    m = choice.get("message")
-    text = (m.get("content") or "") if isinstance(m, dict) else (choice.get("text") or "")
-    out: JsonObject = {"model": model, "created_at": created_at(), "response": text}
-    if isinstance(m, dict) and m.get("reasoning_content"):
-        out["thinking"] = m["reasoning_content"]
-    timer.finish()
-    return {**out, **final_fields(choice.get("finish_reason"), usage.get("prompt_tokens", 0),
-                                  usage.get("completion_tokens", 0), timer)}
+async def _collect(events: AsyncIterator[JsonObject], totals: StreamTotals, timer: GenerationTimer) -> TextDelta:
+    whole = await collect(events, totals, timer)
+    if totals.error is not None:
+        raise ServerError(totals.error, code="engine_error")
+    return whole
+
+
+async def chat_answer(events: AsyncIterator[JsonObject], model: str, timer: GenerationTimer) -> JsonObject:
+    """An OpenAI chat stream -> /api/chat's one object (an error raises it, for the error shape)."""
+    totals = StreamTotals()
+    whole = await _collect(events, totals, timer)
+    return {"model": model, "created_at": created_at(), "message": message(whole.text, whole.thinking, _calls(totals)),
+            **final_fields(totals.finish_reason, totals.prompt_tokens, totals.completion_tokens, timer)}
+
+
+async def generate_answer(events: AsyncIterator[JsonObject], model: str, timer: GenerationTimer) -> JsonObject:
+    """An OpenAI chat or completion stream -> /api/generate's one object."""
+    totals = StreamTotals()
+    whole = await _collect(events, totals, timer)
+    out: JsonObject = {"model": model, "created_at": created_at(), "response": whole.text}
+    if whole.thinking:
+        out["thinking"] = whole.thinking
+    return {**out, **final_fields(totals.finish_reason, totals.prompt_tokens, totals.completion_tokens, timer)}
 
 
 # ------------------------------------------------------------------ streams
@@ -107,8 +109,8 @@ async def chat_stream(events: AsyncIterator[JsonObject], model: str, timer: Gene
         yield ndjson({"error": totals.error})
         return
     if totals.tool_calls:
-        calls: list[JsonValue] = [tool_call(c["name"], c["arguments"]) for _, c in sorted(totals.tool_calls.items())]
-        yield ndjson({"model": model, "created_at": created_at(), "message": message("", "", calls), "done": False})
+        yield ndjson({"model": model, "created_at": created_at(), "message": message("", "", _calls(totals)),
+                      "done": False})
     yield ndjson({"model": model, "created_at": created_at(), "message": message(""),
                   **final_fields(totals.finish_reason, totals.prompt_tokens, totals.completion_tokens, timer)})
 

@@ -7,6 +7,8 @@ are Ollama's ``{"error": "..."}`` with the status /v1 would give.
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -31,14 +33,14 @@ from tokenloom.entrypoints.native.ollama_responses import (
     load_answer,
 )
 from tokenloom.entrypoints.native.ollama_translate import chat_request, embed_request, generate_request, served_name
-from tokenloom.entrypoints.native.relay import GenerationTimer, call_openai
+from tokenloom.entrypoints.native.relay import GenerationTimer, call_openai, stream_openai
 from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
-from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse
+from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, run_cancellable
 
 # The Ollama release whose API this matches (tools, JSON-schema formats, think), for clients that gate
 # features on /api/version.
@@ -55,9 +57,14 @@ class OllamaServing:
         self.chat, self.completion, self.embedding = chat, completion, embedding
         self.card = OllamaModelCard(engine, names)
 
-    def _streamed(self, lines) -> Response:
+    def _streamed(self, lines: AsyncIterator[str]) -> Response:
         return DisconnectAwareStreamingResponse(lines, media_type=NDJSON,
                                                 write_timeout=self.state.stream_write_timeout)
+
+    @staticmethod
+    async def _whole(raw_request: Request, answer: Awaitable[JsonObject]) -> Response:
+        body = await run_cancellable(raw_request, answer)
+        return Response(status_code=499) if body is None else JSONResponse(body)
 
     async def handle_chat(self, raw_request: Request) -> Response:
         timer = GenerationTimer()
@@ -65,12 +72,10 @@ class OllamaServing:
         model = served_name(request.model, self.names)
         if not request.messages:
             return JSONResponse(load_answer(request.model, chat=True))
-        result = await call_openai(self.chat.create, chat_request(request, model), raw_request)
-        if result is None:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(chat_answer(result, request.model, timer))
-        return self._streamed(chat_stream(result, request.model, timer))
+        events = await stream_openai(self.chat.create, chat_request(request, model), raw_request)
+        if request.stream:
+            return self._streamed(chat_stream(events, request.model, timer))
+        return await self._whole(raw_request, chat_answer(events, request.model, timer))
 
     async def handle_generate(self, raw_request: Request) -> Response:
         timer = GenerationTimer()
@@ -81,12 +86,10 @@ class OllamaServing:
         has_template = bool(self.engine.tokenizer is not None and self.engine.tokenizer.chat_template)
         translated = generate_request(request, model, has_template)
         handler = self.chat.create if isinstance(translated, ChatCompletionRequest) else self.completion.create
-        result = await call_openai(handler, translated, raw_request)
-        if result is None:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(generate_answer(result, request.model, timer))
-        return self._streamed(generate_stream(result, request.model, timer))
+        events = await stream_openai(handler, translated, raw_request)
+        if request.stream:
+            return self._streamed(generate_stream(events, request.model, timer))
+        return await self._whole(raw_request, generate_answer(events, request.model, timer))
 
     async def _embed(self, request: EmbeddingRequest, raw_request: Request) -> JsonObject | None:
         result = await call_openai(self.embedding.create, request, raw_request)

@@ -102,9 +102,9 @@ def _build(cls: type[ChatCompletionRequest] | type[CompletionRequest],
 
 
 def _common(request: OllamaChatRequest | OllamaGenerateRequest, model: str) -> JsonObject:
-    body: JsonObject = {"model": model, **sampling_fields(request.options), "stream": request.stream}
-    if request.stream:
-        body["stream_options"] = {"include_usage": True}
+    # Streamed from the handler either way (see relay.py); usage for the final counts.
+    body: JsonObject = {"model": model, **sampling_fields(request.options), "stream": True,
+                        "stream_options": {"include_usage": True}}
     fmt = response_format(request.format)
     if fmt is not None:
         body["response_format"] = fmt

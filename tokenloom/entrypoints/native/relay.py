@@ -3,9 +3,12 @@
 The native APIs build an OpenAI request, hand it to the very handler that serves ``/v1`` and read
 what it answers: a JSON body, or the SSE events of a stream (read as they are produced, in the same
 task: a client that goes away closes the outer stream, which closes the handler's stream, which
-aborts the request in the engine). `StreamTotals` gathers what the native APIs report at the end of
-a stream (finish reason, usage, the tool calls pieced together from their deltas, an error) and
-`GenerationTimer` the durations they report.
+aborts the request in the engine). Generations are always streamed from the handler, also when the
+native client wants one object (`collect` joins the deltas): only a stream tells when the first token
+came, which the native APIs report (prompt evaluation time).
+
+`StreamTotals` gathers what the native APIs report at the end of a stream (finish reason, usage, the
+tool calls pieced together from their deltas, an error) and `GenerationTimer` the durations.
 """
 from __future__ import annotations
 
@@ -30,6 +33,18 @@ async def call_openai(handler: OpenAIHandler, request: object,
     response = await handler(request, raw_request)
     if isinstance(response, StreamingResponse):
         return sse_events(response.body_iterator)
+    return _json_body(response)
+
+
+async def stream_openai(handler: OpenAIHandler, request: object, raw_request: Request) -> AsyncIterator[JsonObject]:
+    """The SSE events of a streamed request (`request.stream` is set)."""
+    result = await call_openai(handler, request, raw_request)
+    if result is None or isinstance(result, dict):
+        raise ServerError("the OpenAI handler did not stream a streamed request")
+    return result
+
+
+def _json_body(response: Response) -> JsonObject | None:
     if response.status_code == 499:
         return None
     body = json.loads(bytes(response.body))
@@ -161,3 +176,13 @@ async def text_deltas(events: AsyncIterator[JsonObject], totals: StreamTotals,
         close = getattr(events, "aclose", None)
         if close is not None:
             await close()
+
+
+async def collect(events: AsyncIterator[JsonObject], totals: StreamTotals, timer: GenerationTimer) -> TextDelta:
+    """The whole text (and reasoning) of a stream; the rest goes to `totals`."""
+    text: list[str] = []
+    thinking: list[str] = []
+    async for delta in text_deltas(events, totals, timer):
+        text.append(delta.text)
+        thinking.append(delta.thinking)
+    return TextDelta("".join(text), "".join(thinking))
