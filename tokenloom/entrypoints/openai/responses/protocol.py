@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
-from tokenloom.core.json_types import JsonObject, JsonValue
+from tokenloom.core.json_types import JsonObject
 from tokenloom.entrypoints.openai.errors import BadRequestError, validation_error_to_api_error
 from tokenloom.entrypoints.openai.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_REQUEST_ID_LEN
 
