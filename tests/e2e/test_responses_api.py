@@ -14,7 +14,7 @@ from server_harness import ServerProcess
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
           "parameters": WEATHER}]
-MAX = 40
+MAX = 20
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +62,18 @@ def test_max_output_tokens_makes_it_incomplete(client, server):
 
 def test_required_function_call_round_trips_with_its_output(client, server):
     question = [{"role": "user", "content": "What is the weather like in Paris?"}]
-    r = create(client, server, input=question, tools=TOOLS, tool_choice="required")
+    r = create(client, server, input=question, tools=TOOLS, tool_choice="required", max_output_tokens=60)
     calls = [item for item in r.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     follow = question + [item.model_dump(exclude_none=True) for item in r.output] + [
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "sunny"}'}]
-    answer = create(client, server, input=follow, tools=TOOLS, tool_choice="none")
+    answer = create(client, server, input=follow, tools=TOOLS, tool_choice="none", max_output_tokens=5)
     assert answer.output[0].type == "message" and answer.output_text
 
 
 def test_named_function_call_streams_its_arguments(client, server):
-    events = list(create(client, server, input="Weather in Paris?", tools=TOOLS, stream=True,
+    events = list(create(client, server, input="Weather in Paris?", tools=TOOLS, stream=True, max_output_tokens=40,
                          tool_choice={"type": "function", "name": "get_weather"}))
     types = [e.type for e in events]
     assert types[2] == "response.output_item.added" and events[2].item.type == "function_call"
@@ -93,9 +93,9 @@ def test_json_schema_text_format_gives_valid_json(client, server):
 
 
 def test_previous_response_id_continues_and_stored_responses_get_and_delete(client, server):
-    first = create(client, server, input="My name is Ada. Remember it.", max_output_tokens=10)
+    first = create(client, server, input="My name is Ada. Remember it.", max_output_tokens=5)
     assert client.responses.retrieve(first.id).output_text == first.output_text
-    second = create(client, server, input="What is my name?", previous_response_id=first.id)
+    second = create(client, server, input="What is my name?", previous_response_id=first.id, max_output_tokens=3)
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     client.responses.delete(first.id)
