@@ -57,6 +57,7 @@ def test_a_tool_round_trip_becomes_an_assistant_turn_and_a_tool_message():
      "input[1].content[0].type"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
     ([{"role": "robot", "content": "a"}], "input[0].role"),
+    ([{"role": "user", "content": 5}], "input[0].content"),
 ])
 def test_a_bad_input_item_is_a_400_naming_it(raw, param):
     with pytest.raises(BadRequestError) as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloom.core.json_types import JsonObject
+from tokenloom.core.json_types import JsonObject, JsonValue
 from tokenloom.entrypoints.openai.responses.output_items import (
     function_call_item,
     message_item,
@@ -43,8 +43,8 @@ class ResponseEvents:
     _open: _OpenItem | None = None
     _calls: dict[int, _OpenItem] = field(default_factory=dict)  # chat tool-call index -> its item
 
-    def event(self, kind: str, **fields: object) -> JsonObject:
-        body: JsonObject = {"type": kind, "sequence_number": self.sequence_number, **fields}  # type: ignore[dict-item]
+    def event(self, kind: str, **fields: JsonValue) -> JsonObject:
+        body: JsonObject = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return body
 
@@ -66,7 +66,8 @@ class ResponseEvents:
         content = chat_delta.get("content")
         if isinstance(content, str) and content:
             events += self._text("message", content)
-        for call in chat_delta.get("tool_calls") or ():  # type: ignore[union-attr]
+        calls = chat_delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             assert isinstance(call, dict)
             events += self._call(call)
         return events

@@ -44,6 +44,13 @@ class MessageItem(_Model):
     content: Union[str, PartList]
     id: Optional[str] = Field(None, max_length=MAX_NAME_CHARS)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_shape(cls, v: object) -> object:
+        if not isinstance(v, (str, list)) or any(not isinstance(part, dict) for part in v if isinstance(v, list)):
+            raise ValueError("content must be a string or a list of content parts")
+        return v
+
 
 class FunctionCallItem(_Model):
     """A function call the model made, sent back so the conversation shows it."""
@@ -187,6 +194,23 @@ class ResponsesRequest(_Model):
     metadata: Optional[dict[str, str]] = Field(None, max_length=MAX_METADATA_PAIRS)
     user: Optional[str] = Field(None, max_length=1024)
     truncation: Optional[Literal["auto", "disabled"]] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input_shape(cls, v: object) -> object:
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError("input must be a string or a list of items")
+        for i, item in enumerate(v if isinstance(v, list) else ()):
+            if not isinstance(item, dict):
+                raise ValueError(f"input[{i}] must be an item object (a message, function_call, ...)")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice_shape(cls, v: object) -> object:
+        if v is not None and v not in ("none", "auto", "required") and not isinstance(v, dict):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+        return v
 
     @field_validator("metadata")
     @classmethod

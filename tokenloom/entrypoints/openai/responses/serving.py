@@ -128,10 +128,10 @@ class OpenAIServingResponses(OpenAIServingChat):
         """The finished response object, stored when the request asks for it."""
         reasoning_tokens = 0
         for item in items:
-            if item["type"] == "reasoning":
-                for part in item.get("content") or ():  # type: ignore[union-attr]
-                    assert isinstance(part, dict)
-                    reasoning_tokens += len(encode_text(self.tokenizer, str(part["text"]), add_special_tokens=False))
+            parts = item.get("content") if item["type"] == "reasoning" else None
+            for part in parts if isinstance(parts, list) else ():
+                assert isinstance(part, dict)
+                reasoning_tokens += len(encode_text(self.tokenizer, str(part["text"]), add_special_tokens=False))
         counts = usage(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens,
                        reasoning_tokens) if final is not None else None
         body = response_object(turn.request, turn.response_id, self.model_name, turn.created_at, status, items, counts)

@@ -25,8 +25,10 @@ _PARAM_RENAMES = (
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
     (re.compile(r"^tool_choice\.function"), "tool_choice"),
 )
-_NAME_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-                 ("response_format", "text.format"))
+# The same renames inside an error's message.
+_MESSAGE_RENAMES = ((re.compile(r"\bmessages(\[\d+\])?(\.[\w\[\]]+)?"), "input"),
+                    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+                    (re.compile(r"\bresponse_format(\.json_schema)?"), "text.format"))
 
 
 def responses_param(param: str | None) -> str | None:
@@ -42,8 +44,8 @@ def responses_param(param: str | None) -> str | None:
 def in_responses_terms(error: APIError) -> APIError:
     """`error` (raised by the chat machinery) naming the Responses fields instead of chat's."""
     error.param = responses_param(error.param)
-    for chat_name, name in _NAME_RENAMES:
-        error.message = error.message.replace(chat_name, name)
+    for pattern, replacement in _MESSAGE_RENAMES:
+        error.message = pattern.sub(replacement, error.message)
     return error
 
 
