@@ -29,6 +29,7 @@ from tokenloom.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from tokenloom.entrypoints.openai.request_admission import AdmissionMiddleware
+from tokenloom.entrypoints.openai.responses.routes import register_responses_routes
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -134,6 +135,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, raw_request: Request):
         return await embedding.create(request, raw_request)
+
+    register_responses_routes(app, engine, names, state, fingerprint)
 
     @app.get("/v1/models")
     async def list_models():
