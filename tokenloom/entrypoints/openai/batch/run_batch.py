@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -59,11 +60,10 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
 class OrderedWriter:
     """Writes output lines in input order as soon as each one's predecessors are written."""
 
-    def __init__(self, out, total: int) -> None:
+    def __init__(self, out: TextIO) -> None:
         self.out = out
         self.pending: dict[int, str] = {}
         self.next_index = 0
-        self.total = total
 
     def put(self, index: int, output: JsonObject) -> None:
         self.pending[index] = dumps(output)
@@ -103,7 +103,7 @@ async def _run(ns: argparse.Namespace, items: list[BatchLine | LineError]) -> in
         caller = EndpointCaller(engine, [name], state)
         with open(ns.output_file, "w", encoding="utf-8") as out, \
                 tqdm(total=len(items), desc="run-batch", unit="req", file=sys.stderr) as progress:
-            await answer_all(caller, items, OrderedWriter(out, len(items)), ns.max_concurrency, progress)
+            await answer_all(caller, items, OrderedWriter(out), ns.max_concurrency, progress)
     finally:
         engine.shutdown()
     return 0

@@ -41,7 +41,7 @@ class BatchStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / DB_NAME
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.execute("PRAGMA journal_mode=WAL")  # a result is one small append, durable once committed
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
@@ -114,6 +114,9 @@ class BatchStore:
 
     def list_batches(self, limit: int = 10000, after: str | None = None) -> list[BatchRecord]:
         """Newest first; `after` is the id of the last batch of the previous page."""
+        if after is None:  # the common case (and the web page's, every second): only the rows asked for
+            rows = self._run("SELECT data FROM batches ORDER BY created_at DESC, rowid DESC LIMIT ?", (limit,))
+            return [BatchRecord.from_json(json.loads(r[0])) for r in rows]
         rows = self._run("SELECT data FROM batches ORDER BY created_at DESC, rowid DESC")
         batches = [BatchRecord.from_json(json.loads(r[0])) for r in rows]
         if after is not None:
