@@ -1,4 +1,4 @@
-"""`tokenloom serve | generate | chat | bench | router`: the command line.
+"""`tokenloom serve | generate | chat | run-batch | bench | router`: the command line.
 
 `generate` and `chat` are for a person at a terminal: tokens are printed as they come, and
 nothing else is (no progress bars, no log lines, no periodic engine stats) unless `-v`.
@@ -153,6 +153,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_router_args(p)
         p.set_defaults(func=run_router)
 
+    p = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI requests offline (vLLM's batch format)")
+    if command in (None, "run-batch"):
+        from tokenloom.entrypoints.openai.batch.run_batch import (  # lazy: CLI start-up time (FastAPI, the engine)
+            add_run_batch_args,
+            run_batch,
+        )
+        add_run_batch_args(p)
+        p.set_defaults(func=run_batch)
+
     p = sub.add_parser("cache", help="what the weight cache holds (--clear empties it)")
     p.add_argument("--clear", action="store_true", help="remove every entry")
     p.set_defaults(func=cmd_cache)
@@ -171,7 +180,8 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if a in ("serve", "generate", "chat", "bench", "cache", "router")), None)
+    commands = ("serve", "generate", "chat", "bench", "cache", "router", "run-batch")
+    command = next((a for a in args if a in commands), None)
     debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"
     try:
         ns = build_parser(command).parse_args(args)  # TOKENLOOM_<NAME> defaults are read here

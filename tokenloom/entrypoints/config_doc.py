@@ -26,6 +26,7 @@ from tokenloom import config
 from tokenloom.entrypoints import compat
 from tokenloom.entrypoints.cli import build_parser
 from tokenloom.entrypoints.openai import api_server
+from tokenloom.entrypoints.openai.batch import settings as batch_settings
 from tokenloom.env_vars import ENV_VARS
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -60,7 +61,7 @@ class _Command:
 
 # The modules whose parsers call `env_default` by its imported name (besides config itself): the recording
 # replaces it there too. A module missing here shows as unregistered variables in the docs test.
-_PARSER_MODULES = (compat, api_server)
+_PARSER_MODULES = (compat, api_server, batch_settings)
 
 
 @contextlib.contextmanager

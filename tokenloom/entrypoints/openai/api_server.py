@@ -42,6 +42,7 @@ from tokenloom.engine.generation_defaults import load_generation_defaults
 from tokenloom.engine.request_log import LOG_LEVELS
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
+from tokenloom.entrypoints.openai.batch.settings import BatchSettings, add_batch_args
 from tokenloom.entrypoints.openai.server_state import (
     DEFAULT_MAX_EXPECTED_LATENCY,
     DEFAULT_MAX_QUEUE_WAIT,
@@ -186,6 +187,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          "memory and time limits); otherwise such requests get 400")
     opt("otlp_traces_endpoint", str, None, "export OpenTelemetry request spans to this OTLP endpoint "
         "(e.g. http://localhost:4317); off by default")
+    add_batch_args(parser)
     return parser
 
 
@@ -367,7 +369,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                              enable_ui=args.enable_ui)
+                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args))
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

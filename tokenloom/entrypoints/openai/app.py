@@ -20,6 +20,8 @@ from prometheus_fastapi_instrumentator import Instrumentator
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.native.routes import register_native_routes
+from tokenloom.entrypoints.openai.batch.routes import register_batch_routes
+from tokenloom.entrypoints.openai.batch.settings import BatchSettings
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.protocol import (
@@ -53,6 +55,7 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     enable_ui: bool = True  # the web page at / (--no-ui: off)
+    batch: BatchSettings = field(default_factory=BatchSettings)  # /v1/files and /v1/batches
 
 
 class ApiKeyMiddleware:
@@ -193,4 +196,5 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     if settings.enable_ui:
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
+    register_batch_routes(app, engine, settings.batch, state, names, fingerprint)
     return app

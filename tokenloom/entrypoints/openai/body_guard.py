@@ -1,6 +1,10 @@
 """The body guard (pure ASGI): malformed requests are answered before they reach FastAPI: a wrong content type
 (400), an oversized body (413), also for chunked uploads, a body that is not UTF-8 or is nested deeper than
-`limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`)."""
+`limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`).
+
+File uploads: a route that takes multipart/form-data names itself in ``app.state.multipart_limits``
+({path: byte limit}, set by the route's own module); there such a body passes with that size limit and
+without the JSON checks, and every other content type is still refused."""
 from __future__ import annotations
 
 import json
@@ -9,6 +13,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.entrypoints.openai.errors import error_body
 from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
+
+
+def _multipart_limit(scope: Scope) -> int | None:
+    """The byte limit of a file upload to this path, or None when the path takes no uploads."""
+    app = scope.get("app")
+    limits = getattr(getattr(app, "state", None), "multipart_limits", None)
+    if not limits:
+        return None
+    path = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return limits.get(path)
 
 
 class BodyGuardMiddleware:
@@ -27,14 +44,21 @@ class BodyGuardMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-            return await self._reject(send, 400, f"Content-Type must be application/json, got {ctype!r}",
+        upload_limit = _multipart_limit(scope)
+        is_upload = upload_limit is not None and ctype == "multipart/form-data"
+        if is_upload and upload_limit is not None:
+            limit = upload_limit
+        elif ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            wanted = "multipart/form-data (a file upload)" if upload_limit is not None else "application/json"
+            return await self._reject(send, 400, f"Content-Type must be {wanted}, got {ctype!r}",
                                       "invalid_content_type")
+        else:
+            limit = self.max_body_bytes
         length = headers.get("content-length")
         if length is not None:
             try:
-                if int(length) > self.max_body_bytes:
-                    return await self._reject(send, 413, self._too_large(), "request_too_large")
+                if int(length) > limit:
+                    return await self._reject(send, 413, self._too_large(limit), "request_too_large")
             except ValueError:
                 return await self._reject(send, 400, "invalid Content-Length header", "invalid_request")
         chunks: list[bytes] = []
@@ -45,12 +69,14 @@ class BodyGuardMiddleware:
                 return None
             body = message.get("body", b"")
             size += len(body)
-            if size > self.max_body_bytes:
-                return await self._reject(send, 413, self._too_large(), "request_too_large")
+            if size > limit:
+                return await self._reject(send, 413, self._too_large(limit), "request_too_large")
             chunks.append(body)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if is_upload:  # the route parses it
+            return await self.app(scope, self._replay(chunks, receive), send)
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -58,6 +84,10 @@ class BodyGuardMiddleware:
         if json_depth(body) > MAX_JSON_DEPTH:
             return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
                                       "nesting_too_deep")
+        return await self.app(scope, self._replay(chunks, receive), send)
+
+    @staticmethod
+    def _replay(chunks: list[bytes], receive: Receive) -> Receive:
         replayed = False
 
         async def replay() -> Message:
@@ -67,10 +97,11 @@ class BodyGuardMiddleware:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
-        return await self.app(scope, replay, send)
+        return replay
 
-    def _too_large(self) -> str:
-        return f"request body too large: the limit is {self.max_body_bytes} bytes"
+    @staticmethod
+    def _too_large(limit: int) -> str:
+        return f"request body too large: the limit is {limit} bytes"
 
     @staticmethod
     async def _reject(send: Send, status: int, message: str, code: str) -> None:

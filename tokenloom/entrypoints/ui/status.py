@@ -21,6 +21,7 @@ import os
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import tokenloom
@@ -93,6 +94,8 @@ class StatusTracker:
         self.history: deque[HistoryPoint] = deque()
         self._counters: deque[tuple[float, dict[str, int]]] = deque()  # (time, engine counters)
         self.errors = _RecentErrors()
+        # More of the snapshot, by key, from the server's other parts (the batches' progress).
+        self.sections: dict[str, Callable[[], JsonValue]] = {}
         logging.getLogger("tokenloom").addHandler(self.errors)
         if engine.metrics is not None:
             engine.metrics.listeners.append(self._on_metric)
@@ -207,4 +210,5 @@ class StatusTracker:
             "history": [asdict(p) for p in self.history],
             "requests": self.requests(now),
             "errors": list(reversed(self.errors.records)),
+            **{name: build() for name, build in self.sections.items()},
         }

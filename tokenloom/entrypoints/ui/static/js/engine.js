@@ -49,6 +49,10 @@
     set("req-count", `(${s.requests.length})`);
     rows($("requests").tBodies[0], s.requests,
          (r) => [r.id, r.state, r.prompt_tokens, r.output_tokens, f.secs(r.age)]);
+    const batches = s.batches || [];
+    set("batch-count", `(${batches.length})`);
+    rows($("batches").tBodies[0], batches,
+         (b) => [b.id, b.status, b.endpoint, b.completed, b.failed, b.total]);
     const ul = $("errors"), frag = document.createDocumentFragment();
     for (const e of s.errors) frag.appendChild(TL.el("li", `${new Date(e.time * 1000).toLocaleTimeString()} ${e.level} ${e.message}`));
     ul.replaceChildren(frag);
