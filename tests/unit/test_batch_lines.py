@@ -35,12 +35,12 @@ def parse(raw: bytes, **kw) -> BatchLine | LineError:
 
 
 def test_the_url_table_names_each_endpoint_once_with_its_body_model_and_handler():
-    assert set(BATCH_ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+    assert set(BATCH_ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
     assert BATCH_ENDPOINTS["/v1/chat/completions"].request_model is ChatCompletionRequest
     assert BATCH_ENDPOINTS["/v1/completions"].request_model is CompletionRequest
     assert BATCH_ENDPOINTS["/v1/chat/completions"].serving is OpenAIServingChat
     for endpoint in BATCH_ENDPOINTS.values():
-        assert issubclass(endpoint.serving, OpenAIServing) and callable(getattr(endpoint.serving, "create"))
+        assert issubclass(endpoint.serving, OpenAIServing) and callable(getattr(endpoint.serving, endpoint.method))
 
 
 def test_a_good_line_parses():

@@ -4,8 +4,8 @@ A batch line is answered by the very handler that answers the HTTP route, called
 validated with the route's pydantic model and passed to the serving object's `create` with a stand-in
 `Request` whose only job is to report a disconnect when the batch is cancelled (so the engine aborts the
 request, as it does for a client that hangs up). Adding an endpoint to batches is one line in
-`BATCH_ENDPOINTS`, as long as its serving class takes the shared constructor and has
-`create(request, raw_request) -> Response`.
+`BATCH_ENDPOINTS`, as long as its serving class takes the shared constructor and has a
+`method(request, raw_request) -> Response` (its name in `BatchEndpoint.method`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from tokenloom.entrypoints.openai.errors import (
     validation_error_to_api_error,
 )
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.entrypoints.openai.responses.protocol import ResponsesRequest
+from tokenloom.entrypoints.openai.responses.serving import OpenAIServingResponses
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -42,12 +44,14 @@ CANCELLED_STATUS = 499
 class BatchEndpoint:
     request_model: type[BaseModel]
     serving: type[OpenAIServing]
+    method: str = "create"  # the serving object's handler of one request
 
 
 BATCH_ENDPOINTS: dict[str, BatchEndpoint] = {
     "/v1/chat/completions": BatchEndpoint(ChatCompletionRequest, OpenAIServingChat),
     "/v1/completions": BatchEndpoint(CompletionRequest, OpenAIServingCompletion),
     "/v1/embeddings": BatchEndpoint(EmbeddingRequest, OpenAIServingEmbedding),
+    "/v1/responses": BatchEndpoint(ResponsesRequest, OpenAIServingResponses, "create_response"),
 }
 
 
@@ -93,7 +97,7 @@ class EndpointCaller:
                  endpoints: dict[str, BatchEndpoint] | None = None) -> None:
         self.endpoints = endpoints if endpoints is not None else BATCH_ENDPOINTS
         self.servings: dict[str, Callable[[BaseModel, Request], Awaitable[Response]]] = {
-            url: getattr(e.serving(engine, served_model_names, state, system_fingerprint), "create")
+            url: getattr(e.serving(engine, served_model_names, state, system_fingerprint), e.method)
             for url, e in self.endpoints.items()}
 
     async def call(self, url: str, body: JsonObject, *, priority: int | None = None,
