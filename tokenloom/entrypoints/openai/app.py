@@ -19,6 +19,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.anthropic.routes import register_messages_routes
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.protocol import (
@@ -185,6 +186,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         engine.update_engine_metrics()
         return Response(m.render(), media_type=m.content_type)
 
+    register_messages_routes(app, engine, names, state, fingerprint)
     if settings.enable_ui:
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
     return app
