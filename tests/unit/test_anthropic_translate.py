@@ -135,6 +135,15 @@ def test_count_request_needs_no_max_tokens():
     assert chat.max_tokens is None and chat.messages[0].content == "q"
 
 
+def test_long_text_is_not_a_long_list():
+    long_result = {"type": "tool_result", "tool_use_id": "t", "content": "x" * 5000}
+    req = request([{"role": "user", "content": "y" * 5000}, {"role": "assistant", "content": "a"},
+                   {"role": "user", "content": [long_result]}], system="z" * 5000)
+    assert [len(m["content"]) for m in chat_messages(req)] == [5000, 5000, 1, 5000]
+    with pytest.raises(ValidationError):
+        request([{"role": "user", "content": [{**long_result, "content": [{"type": "text", "text": "a"}] * 257}]}])
+
+
 @pytest.mark.parametrize("body, where", [
     ({"messages": [{"role": "user", "content": "q"}]}, ("max_tokens",)),
     ({"max_tokens": 8, "messages": [{"role": "system", "content": "q"}]}, ("messages", 0, "role")),

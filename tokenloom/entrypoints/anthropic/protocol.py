@@ -40,7 +40,7 @@ class ToolUseBlock(AnthropicModel):
 class ToolResultBlock(AnthropicModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(..., min_length=1, max_length=MAX_ID_LEN)
-    content: Union[str, list[TextBlock]] = Field("", max_length=MAX_CONTENT_PARTS)
+    content: Union[str, Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)]] = ""
     is_error: bool = False
 
     def text(self) -> str:
