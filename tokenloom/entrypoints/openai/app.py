@@ -19,6 +19,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.anthropic.routes import register_messages_routes
 from tokenloom.entrypoints.native.routes import register_native_routes
 from tokenloom.entrypoints.openai.batch.routes import register_batch_routes
 from tokenloom.entrypoints.openai.batch.settings import BatchSettings
@@ -194,6 +195,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     register_native_routes(app, engine, names, state, chat, completion, embedding)
 
+    register_messages_routes(app, engine, names, state, fingerprint)
     if settings.enable_ui:
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
     register_batch_routes(app, engine, settings.batch, state, names, fingerprint)
