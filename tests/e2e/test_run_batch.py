@@ -19,6 +19,10 @@ def test_run_batch_answers_every_line_in_order(tmp_path):
                     "body": {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}}),
         json.dumps({"custom_id": "resp-1", "method": "POST", "url": "/v1/responses",
                     "body": {"input": "Say hello.", "max_output_tokens": 4, "temperature": 0}}),
+        json.dumps({"custom_id": "msg-1", "method": "POST", "url": "/v1/messages",
+                    "body": {"model": "smollm2-135m-instruct", "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "Say hello."}],
+                             "temperature": 0}}),
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -26,8 +30,8 @@ def test_run_batch_answers_every_line_in_order(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["custom_id"] for r in results] == ["chat-1", None, "cmpl-1", "resp-1"]
-    chat, broken, completion, response = results
+    assert [r["custom_id"] for r in results] == ["chat-1", None, "cmpl-1", "resp-1", "msg-1"]
+    chat, broken, completion, response, message = results
     assert chat["error"] is None and chat["response"]["status_code"] == 200
     assert chat["response"]["body"]["object"] == "chat.completion"
     assert chat["response"]["body"]["choices"][0]["message"]["content"]
@@ -37,4 +41,6 @@ def test_run_batch_answers_every_line_in_order(tmp_path):
     assert completion["response"]["body"]["usage"]["completion_tokens"] == 4
     assert response["response"]["body"]["object"] == "response"
     assert response["response"]["body"]["usage"]["output_tokens"] == 4
-    assert "4/4" in proc.stderr  # the progress bar
+    assert message["response"]["body"]["type"] == "message"
+    assert message["response"]["body"]["usage"]["output_tokens"] == 4
+    assert "5/5" in proc.stderr  # the progress bar

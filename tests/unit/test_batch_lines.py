@@ -35,7 +35,8 @@ def parse(raw: bytes, **kw) -> BatchLine | LineError:
 
 
 def test_the_url_table_names_each_endpoint_once_with_its_body_model_and_handler():
-    assert set(BATCH_ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
+    assert set(BATCH_ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                                    "/v1/messages"}
     assert BATCH_ENDPOINTS["/v1/chat/completions"].request_model is ChatCompletionRequest
     assert BATCH_ENDPOINTS["/v1/completions"].request_model is CompletionRequest
     assert BATCH_ENDPOINTS["/v1/chat/completions"].serving is OpenAIServingChat

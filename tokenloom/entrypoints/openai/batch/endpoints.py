@@ -21,6 +21,8 @@ from starlette.types import Message
 
 from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.anthropic.protocol import MessagesRequest
+from tokenloom.entrypoints.anthropic.serving import AnthropicServingMessages
 from tokenloom.entrypoints.openai.errors import (
     APIError,
     engine_error_to_api_error,
@@ -52,6 +54,7 @@ BATCH_ENDPOINTS: dict[str, BatchEndpoint] = {
     "/v1/completions": BatchEndpoint(CompletionRequest, OpenAIServingCompletion),
     "/v1/embeddings": BatchEndpoint(EmbeddingRequest, OpenAIServingEmbedding),
     "/v1/responses": BatchEndpoint(ResponsesRequest, OpenAIServingResponses, "create_response"),
+    "/v1/messages": BatchEndpoint(MessagesRequest, AnthropicServingMessages, "create_message"),
 }
 
 
