@@ -1,5 +1,5 @@
 """Ollama's API through the official `ollama` client, llama-server's /completion and /props, and the 404 that
-names the nearest path, on one light server (the details are unit tests: tests/unit/test_native_apis.py)."""
+names the nearest path, on one light server (the details are unit tests: tests/unit/test_native_api_translation.py)."""
 from __future__ import annotations
 
 import json
