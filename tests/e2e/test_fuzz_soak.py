@@ -45,7 +45,23 @@ def metrics(srv) -> dict[str, float]:
     return metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
 
 
-def check_answer(r: httpx.Response, what) -> None:
+def error_in_its_apis_shape(path: str, body) -> bool:
+    """Each API answers errors in its own shape: Ollama's `{"error": "..."}` under /api/, llama-server's
+    `{"error": {"code", "message", "type"}}` on /completion and /props, Anthropic's
+    `{"type": "error", "error": {"type", "message"}}` on /v1/messages, OpenAI's everywhere else."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if path.startswith("/api/"):
+        return isinstance(err, str) and bool(err)
+    if not isinstance(err, dict) or not err.get("message"):
+        return False
+    if path in ("/completion", "/props"):
+        return set(err) == {"code", "message", "type"}
+    if path.startswith("/v1/messages"):
+        return body.get("type") == "error" and set(err) == {"message", "type"}
+    return set(err) == {"message", "type", "param", "code"}
+
+
+def check_answer(r: httpx.Response, what, path: str = "/v1/completions") -> None:
     if r.status_code >= 500:
         try:
             err = r.json()["error"]
@@ -54,20 +70,35 @@ def check_answer(r: httpx.Response, what) -> None:
             code = None
         assert (r.status_code, code) in TOLERATED_5XX, (what, r.status_code, r.text[:500])
     elif r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
-        err = r.json()["error"]
-        keys = {"message", "type"} if r.json().get("type") == "error" else {"message", "type", "param", "code"}
-        assert set(err) == keys and err["message"], (what, r.text[:300])  # Anthropic's shape on /v1/messages
+        assert error_in_its_apis_shape(path, r.json()), (what, r.text[:300])
 
 
-def _short(body):
-    """Keep fuzzed generation requests cheap: small max_tokens / min_tokens when they are ints."""
+# Each API's own name for the output length: capped, or set when the fuzzer left it out, so no fuzzed
+# request generates up to the context (tens of seconds on 2 cores).
+LENGTH_FIELD = {"/v1/responses": "max_output_tokens", "/completion": "n_predict"}
+
+
+def _cap(holder: dict, key: str) -> None:
+    """Set when absent, lower when a larger int; any other value stays for the server to refuse."""
+    v = holder.get(key, MAX_TOKENS + 1)
+    if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
+        holder[key] = MAX_TOKENS
+
+
+def _short(body, path: str = "/v1/completions"):
+    """Keep fuzzed generation requests cheap: a small output length in each API's own field."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
-            v = body.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
-                body[key] = MAX_TOKENS
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = MAX_TOKENS
+        if path in ("/api/chat", "/api/generate"):
+            options = body.get("options")
+            if not isinstance(options, dict):
+                options = body["options"] = {}
+            _cap(options, "num_predict")
+        elif path in LENGTH_FIELD:
+            _cap(body, LENGTH_FIELD[path])
+        elif "max_completion_tokens" in body:
+            _cap(body, "max_completion_tokens")
+        else:
+            _cap(body, "max_tokens")
         v = body.get("min_tokens")
         if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
             body["min_tokens"] = MAX_TOKENS
@@ -97,13 +128,13 @@ def test_schemathesis_finds_no_server_errors(server):
             @given(case=op.as_strategy())
             def run(case):
                 nonlocal seen
-                body = _short(case.body) if op.method.upper() == "POST" else None
                 path = case.formatted_path if hasattr(case, "formatted_path") else op.path
+                body = _short(case.body, path) if op.method.upper() == "POST" else None
                 kwargs = {"json": body} if body is not None and not isinstance(body, schemathesis.core.NotSet) else {}
                 t0 = time.time()
                 r = client.request(op.method.upper(), path, params=case.query or None, **kwargs)
                 assert time.time() - t0 < 30, (op.path, "hang")
-                check_answer(r, (op.method, path, body))
+                check_answer(r, (op.method, path, body), path)
                 seen += 1
 
             run()

@@ -175,9 +175,12 @@ def _random_experts(tokens=13, hidden=16, inter=8, experts=6, top_k=2, seed=0):
 
 
 def test_grouped_experts_equal_the_per_token_definition():
+    """Equal up to float32 rounding: the grouped path multiplies each expert's rows as one GEMM (blocked by
+    oneDNN per the CPU's ISA) and adds the k outputs in another order; measured up to 1.4e-5 apart (a
+    relative 5.4e-6) on an AVX512 machine, where the default 1e-5 absolute tolerance is too tight."""
     x, w13, w2, weights, ids = _random_experts()
     torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids),
-                               _per_token_reference(x, w13, w2, weights, ids))
+                               _per_token_reference(x, w13, w2, weights, ids), rtol=1.3e-6, atol=5e-5)
 
 
 def test_experts_split_over_two_expert_maps_sum_to_the_whole():
