@@ -22,7 +22,7 @@ from tokenloom.entrypoints.openai.formatting import completion_tokens
 from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, run_cancellable
+from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, final_output, run_cancellable
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints
 from tokenloom.outputs import RequestOutput
 
@@ -66,13 +66,7 @@ class AnthropicServingMessages(OpenAIServingChat):
 
     async def _message(self, request: MessagesRequest, chat_request: ChatCompletionRequest,
                        gen: AsyncIterator[RequestOutput], msg_id: str) -> JsonObject:
-        final: RequestOutput | None = None
-        try:
-            async for out in gen:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an API error
-            raise to_api_error(e) from None
-        assert final is not None
+        final = await final_output(gen, to_api_error)
         o = final.outputs[0]
         message, _ = ChatOutputParser(chat_request, self.engine.config, final.prompt or "").message(
             o.text, o.finish_reason)

@@ -10,13 +10,14 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.input_processor import encode_text
-from tokenloom.entrypoints.openai.errors import BadRequestError, engine_error_to_api_error
+from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.formatting import chat_logprobs, completion_tokens, prompt_logprobs, usage_body
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from tokenloom.entrypoints.openai.serving_engine import OpenAIServing
 from tokenloom.entrypoints.openai.streaming import (
     SSE_DONE,
     DisconnectAwareStreamingResponse,
+    final_output,
     run_cancellable,
     sse,
     stream_error_chunk,
@@ -113,13 +114,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
                     created: int) -> JsonObject:
-        final: RequestOutput | None = None
-        try:
-            async for out in gen:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error
-            raise engine_error_to_api_error(e) from None
-        assert final is not None
+        final = await final_output(gen)
         choices = []
         for o in final.outputs:
             message, finish_reason = ChatOutputParser(request, self.engine.config, final.prompt or "").message(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tokenloom.core.json_types import JsonObject
 from tokenloom.entrypoints.openai.errors import engine_error_to_api_error, error_body
+from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -35,6 +36,21 @@ def stream_error_chunk(exc: BaseException) -> str:
     body = error_body(err.message, err.error_type, err.param, err.code)
     body["error"]["status_code"] = err.status_code
     return sse(body)
+
+
+async def final_output(gen: AsyncIterator[RequestOutput],
+                       to_api_error: Callable[[BaseException], Exception] = engine_error_to_api_error) -> RequestOutput:
+    """A non-streamed answer's last output (the whole text so far); an engine error becomes the API's own
+    error (`to_api_error`), raised without the engine's traceback."""
+    final: RequestOutput | None = None
+    try:
+        async for out in gen:
+            final = out
+    except Exception as e:  # noqa: BLE001 - mapped to the API's error
+        raise to_api_error(e) from None
+    if final is None:
+        raise to_api_error(RuntimeError("the engine ended the request without an output"))
+    return final
 
 
 async def run_cancellable(raw_request: Request, coro: Awaitable[T]) -> T | None:

@@ -35,7 +35,12 @@ from tokenloom.entrypoints.openai.responses.store import ResponseStore
 from tokenloom.entrypoints.openai.responses.to_chat import in_responses_terms, to_chat_request
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, run_cancellable, sse
+from tokenloom.entrypoints.openai.streaming import (
+    DisconnectAwareStreamingResponse,
+    final_output,
+    run_cancellable,
+    sse,
+)
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints
 from tokenloom.outputs import RequestOutput
 
@@ -141,13 +146,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         return body
 
     async def _full(self, turn: Turn, gen: AsyncIterator[RequestOutput]) -> JsonObject:
-        final: RequestOutput | None = None
-        try:
-            async for out in gen:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error
-            raise engine_error_to_api_error(e) from None
-        assert final is not None
+        final = await final_output(gen)
         o = final.outputs[0]
         parser = ChatOutputParser(turn.chat_request, self.engine.config, turn.prompt_text)
         message, _ = parser.message(o.text, o.finish_reason)
