@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from tokenloom.structured.reasoning import REASONING_PARSERS
@@ -443,8 +444,15 @@ class EngineConfig:
         return cls.from_kwargs(**kwargs)
 
 
+# Called with each TOKENLOOM_<NAME> that env_default looks up, while set: how the generated configuration page
+# learns which flag reads which variable (tokenloom/entrypoints/config_doc.py).
+env_lookup_listener: Callable[[str], None] | None = None
+
+
 def env_default(name: str, default, kind=str):
     """The value of TOKENLOOM_<NAME> converted to `kind` (bool: 1/true/yes/on), else `default`."""
+    if env_lookup_listener is not None:
+        env_lookup_listener("TOKENLOOM_" + name.upper())
     raw = os.environ.get("TOKENLOOM_" + name.upper())
     if raw is None:
         return default

@@ -6,12 +6,10 @@ directly where they matter. `ENV_VARS` is the one list of them: docs/configurati
 from it (`python -m tokenloom.entrypoints.config_doc`), and tests/unit/test_docs_configuration.py
 fails when the code names a ``TOKENLOOM_`` variable that is neither an option's nor listed here.
 
-This module imports nothing from tokenloom, so any layer may use it. `get(name)` reads a listed
-variable and refuses an unlisted one.
+This module imports nothing from tokenloom, so any layer may use it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 
@@ -69,9 +67,3 @@ ENV_VARS: tuple[EnvVar, ...] = (
 
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 
-
-def get(name: str, default: str | None = None) -> str | None:
-    """The value of a listed variable, or `default`; an unlisted name is a programming error."""
-    if name not in BY_NAME:
-        raise KeyError(f"{name} is not listed in tokenloom.env_vars.ENV_VARS")
-    return os.environ.get(name, default)

@@ -23,10 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tokenloom import config
-from tokenloom.entrypoints import compat
 from tokenloom.entrypoints.cli import build_parser
-from tokenloom.entrypoints.openai import api_server
-from tokenloom.entrypoints.openai.batch import settings as batch_settings
 from tokenloom.env_vars import ENV_VARS
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -59,11 +56,6 @@ class _Command:
     refused: dict[str, str]  # flag -> reason
 
 
-# The modules whose parsers call `env_default` by its imported name (besides config itself): the recording
-# replaces it there too. A module missing here shows as unregistered variables in the docs test.
-_PARSER_MODULES = (compat, api_server, batch_settings)
-
-
 @contextlib.contextmanager
 def _recording() -> Iterator[dict[int, list[str]]]:
     """Record, per argparse action, the TOKENLOOM_<NAME> names asked for while its add_argument call was
@@ -71,14 +63,8 @@ def _recording() -> Iterator[dict[int, list[str]]]:
     saved = {k: v for k, v in os.environ.items() if k.startswith("TOKENLOOM_") or k in _TORCHRUN_VARS}
     for k in saved:
         del os.environ[k]
-    original = config.env_default
     pending: list[str] = []
     by_action: dict[int, list[str]] = {}
-
-    def recording_env_default(name, default, kind=str):
-        pending.append("TOKENLOOM_" + name.upper())
-        return original(name, default, kind)
-
     real_add = argparse._ActionsContainer.add_argument  # noqa: SLF001 - the one place every flag goes through
 
     def add_argument(self, *args, **kwargs):
@@ -89,18 +75,13 @@ def _recording() -> Iterator[dict[int, list[str]]]:
             by_action[id(action)] = names
         return action
 
-    holders = _PARSER_MODULES
     try:
-        for m in holders:
-            m.env_default = recording_env_default
-        config.env_default = recording_env_default
+        config.env_lookup_listener = pending.append
         argparse._ActionsContainer.add_argument = add_argument  # noqa: SLF001
         yield by_action
     finally:
         argparse._ActionsContainer.add_argument = real_add  # noqa: SLF001
-        config.env_default = original
-        for m in holders:
-            m.env_default = original
+        config.env_lookup_listener = None
         os.environ.update(saved)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import uuid
 
 from tokenloom.core.json_types import JsonObject, JsonValue
-from tokenloom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tokenloom.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenloom.tokenizer import Tokenizer
 
 
@@ -20,10 +20,6 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 def completion_tokens(ro: RequestOutput) -> int:
     return sum(len(o.token_ids) for o in ro.outputs)
-
-
-def finish_fields(o: CompletionOutput) -> tuple[str | None, str | int | None]:
-    return o.finish_reason, o.stop_reason
 
 
 def finite(x: float) -> float:
