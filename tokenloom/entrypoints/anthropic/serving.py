@@ -23,7 +23,7 @@ from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.streaming import DisconnectAwareStreamingResponse, final_output, run_cancellable
-from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints
+from tokenloom.entrypoints.openai.structured import ChatOutputParser
 from tokenloom.outputs import RequestOutput
 
 
@@ -45,15 +45,7 @@ class AnthropicServingMessages(OpenAIServingChat):
         chat_request = self.chat_request(request)
         self.check_request(chat_request)
         msg_id = message_id()
-        text, prompt_ids = await self.render_prompt_async(chat_request)
-        params = self.sampling_params(chat_request, max_tokens=request.max_tokens, logprobs=None,
-                                      default_max_tokens=None)
-        params = await apply_constraints(self, chat_request, params, chat=True)
-        engine_request = self.process_inputs(msg_id, prompt_ids, params, chat_request.priority, None,
-                                             prompt_param="messages")
-        gen = self.engine.generate(prompt_ids, engine_request.sampling_params, msg_id, engine_request=engine_request,
-                                   prompt_text=text, priority=chat_request.priority,
-                                   timeout=self.timeout_for(chat_request), reservation=self.reservation())
+        _, prompt_ids, gen = await self.generate_chat(chat_request, msg_id)
         if request.stream:
             events = self._events(request, chat_request, gen, msg_id, len(prompt_ids))
             return DisconnectAwareStreamingResponse(events, media_type="text/event-stream",

@@ -86,11 +86,12 @@ class OpenAIServingChat(OpenAIServing):
         """`render_prompt` off the event loop: a slow render never holds up other requests."""
         return await asyncio.to_thread(self.render_prompt, request)
 
-    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_request(request)
-        request_id = self.request_id(request, "chatcmpl")
+    async def generate_chat(self, request: ChatCompletionRequest, request_id: str, logprobs: int | None = None
+                            ) -> tuple[str, list[int], AsyncIterator[RequestOutput]]:
+        """A checked chat request's prompt (text and ids) and its generation: the template, the sampling
+        parameters, the structured-output constraints and the engine request. Every API that translates onto
+        chat (Responses, Anthropic Messages) starts its generation here."""
         text, prompt_ids = await self.render_prompt_async(request)
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens=request.effective_max_tokens, logprobs=logprobs,
                                       default_max_tokens=None)
         params = await apply_constraints(self, request, params, chat=True)
@@ -99,6 +100,13 @@ class OpenAIServingChat(OpenAIServing):
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
                                    engine_request=engine_request, prompt_text=text, priority=request.priority,
                                    timeout=self.timeout_for(request), reservation=self.reservation())
+        return text, prompt_ids, gen
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_request(request)
+        request_id = self.request_id(request, "chatcmpl")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        _, _, gen = await self.generate_chat(request, request_id, logprobs)
         created = int(time.time())
         if request.stream:
             return DisconnectAwareStreamingResponse(self._stream(request, gen, request_id, created),

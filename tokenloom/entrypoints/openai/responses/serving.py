@@ -41,7 +41,7 @@ from tokenloom.entrypoints.openai.streaming import (
     run_cancellable,
     sse,
 )
-from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints
+from tokenloom.entrypoints.openai.structured import ChatOutputParser
 from tokenloom.outputs import RequestOutput
 
 
@@ -108,16 +108,9 @@ class OpenAIServingResponses(OpenAIServingChat):
         response_id = new_id("resp")
         try:
             self.check_request(chat_request)
-            text, prompt_ids = await self.render_prompt_async(chat_request)
-            params = self.sampling_params(chat_request, max_tokens=chat_request.effective_max_tokens, logprobs=None,
-                                          default_max_tokens=None)
-            params = await apply_constraints(self, chat_request, params, chat=True)
-            engine_request = self.process_inputs(response_id, prompt_ids, params, 0, None, prompt_param="messages")
+            text, _, gen = await self.generate_chat(chat_request, response_id)
         except APIError as e:
             raise in_responses_terms(e) from None
-        gen = self.engine.generate(prompt_ids, engine_request.sampling_params, response_id,
-                                   engine_request=engine_request, prompt_text=text, priority=0,
-                                   timeout=self.timeout_for(chat_request), reservation=self.reservation())
         conversation = history + [item.model_dump(exclude_none=True) for item in new_items]
         turn = Turn(request, chat_request, response_id, int(time.time()), text, conversation)
         if request.stream:
