@@ -6,11 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenloom.config import ConfigError
 from tokenloom.core.json_types import JsonObject
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture, quantization or layout is not supported."""
-
+from tokenloom.model.model_errors import CorruptModelError, UnsupportedModelError
 
 # GGUF general.architecture -> HF architectures name.
 GGUF_ARCHITECTURES = {
@@ -23,6 +19,10 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# The sizes every HF config.json states (decoders and BERT alike); the rest have defaults.
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# The GGUF metadata (`<arch>.<key>`) every file states; llama.cpp refuses a file without them too.
+GGUF_REQUIRED = ("block_count", "embedding_length", "attention.head_count")
 # Families whose router renormalizes its top-k weights when the file does not say (llama.cpp's defaults).
 _GGUF_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
@@ -114,10 +114,21 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, cfg: JsonObject) -> "ArchConfig":
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise UnsupportedModelError("config.json names no 'architectures'")
-        arch = archs[0]
+        """From a config.json; a missing or ill-typed size is a CorruptModelError naming the key."""
+        arch = hf_architecture(cfg)
+        missing = [key for key in HF_REQUIRED if key not in cfg]
+        if missing:
+            raise CorruptModelError(f"config.json lacks {', '.join(map(repr, missing))} (needed by {arch})")
+        try:
+            return cls._from_hf(cfg, arch)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, UnsupportedModelError):
+                raise
+            raise CorruptModelError(f"config.json: {type(exc).__name__} {exc} (a size missing or of the wrong "
+                                    f"type)") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: JsonObject, arch: str) -> "ArchConfig":
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return replace(cls(
@@ -155,6 +166,18 @@ class ArchConfig:
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
 
+        missing = [f"{arch}.{key}" for key in GGUF_REQUIRED if get(key) is None]
+        if missing:
+            raise CorruptModelError(f"GGUF metadata lacks {', '.join(missing)}")
+        try:
+            return cls._from_gguf(meta, tensor_names, arch, get)
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+            if isinstance(exc, UnsupportedModelError):
+                raise
+            raise CorruptModelError(f"GGUF metadata of {arch!r}: {type(exc).__name__} {exc}") from None
+
+    @classmethod
+    def _from_gguf(cls, meta: Mapping[str, object], tensor_names: set[str], arch: str, get) -> "ArchConfig":
         heads = get("attention.head_count")
         hidden = get("embedding_length")
         head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
@@ -185,6 +208,15 @@ class ArchConfig:
             **_gguf_gemma3(arch, get),
             **_gguf_moe(arch, get, tensor_names),
         )
+
+
+def hf_architecture(cfg: JsonObject) -> str:
+    """The architecture a config.json names (its first `architectures` entry)."""
+    archs = cfg.get("architectures")
+    if not archs or not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise UnsupportedModelError("config.json names no 'architectures' (a transformers model folder lists "
+                                    "its class there, e.g. [\"LlamaForCausalLM\"])")
+    return archs[0]
 
 
 def _hf_moe(cfg: JsonObject, arch: str) -> JsonObject:

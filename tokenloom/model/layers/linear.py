@@ -49,7 +49,8 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, out_features // self.tp.size, bias)
 
     def load(self, name, tensor, shard=None):
-        part = tensor.shape[0] // self.tp.size
+        part = self._param(name).shape[0]
+        _check_full(tensor, 0, part * self.tp.size, name)
         _copy(self._param(name).data, tensor.narrow(0, self.tp.rank * part, part), name)
 
 
@@ -66,8 +67,13 @@ class MergedColumnParallelLinear(Linear):
         size = self.offsets[shard][1]
         return tensor.narrow(0, self.tp.rank * size, size)
 
+    def _full_rows(self, shard: str) -> int:
+        """The rows of the whole checkpoint tensor `shard` (every rank's part)."""
+        return self.offsets[shard][1] * self.tp.size
+
     def load(self, name, tensor, shard=None):
         start, size = self.offsets[shard]
+        _check_full(tensor, 0, self._full_rows(shard), f"{shard}.{name}")
         _copy(self._param(name).data.narrow(0, start, size), self._shard_rows(shard, tensor), f"{shard}.{name}")
 
 
@@ -82,6 +88,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.head_dim = head_dim
         q, kv = num_heads * head_dim, self.num_kv_heads * head_dim * tp.size // self.kv_replicas
         super().__init__(hidden_size, {"q": q, "k": kv * self.kv_replicas, "v": kv * self.kv_replicas}, bias)
+
+    def _full_rows(self, shard):
+        rows = self.offsets[shard][1] * self.tp.size
+        return rows if shard == "q" else rows // self.kv_replicas
 
     def _shard_rows(self, shard, tensor):
         size = self.offsets[shard][1]
@@ -98,7 +108,8 @@ class RowParallelLinear(Linear):
         if name == "bias":
             _copy(self.bias.data, tensor, name)
             return
-        part = tensor.shape[1] // self.tp.size
+        part = self.weight.shape[1]
+        _check_full(tensor, 1, part * self.tp.size, name)
         _copy(self.weight.data, tensor.narrow(1, self.tp.rank * part, part), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +128,14 @@ def _offsets(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
         offsets[name] = (start, size)
         start += size
     return offsets
+
+
+def _check_full(tensor: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """A checkpoint tensor as wide as the model's layer before it is cut into the ranks' parts: narrowing a
+    wider one would load part of it without a word."""
+    if tensor.shape[dim] != expected:
+        raise ValueError(f"shape mismatch for {what}: checkpoint {tuple(tensor.shape)}, the model's dimension "
+                         f"{dim} is {expected}")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

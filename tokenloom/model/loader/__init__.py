@@ -18,6 +18,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
 from tokenloom.model.loader import weight_cache
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
+from tokenloom.model.model_errors import CorruptModelError, ModelFileError, naming_the_file, one_line
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
@@ -50,7 +51,9 @@ def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
 
 def read_arch_config(model: str | None) -> ArchConfig:
     """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it)."""
-    return open_model_source(resolve_model_path(model), torch.float32).arch_config
+    path = resolve_model_path(model)
+    with naming_the_file(path):
+        return open_model_source(path, torch.float32).arch_config
 
 
 def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -69,6 +72,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     path = resolve_model_path(model)
     if quantized is None:
         quantized = keeps_quantized(path, device, dtype)
+    with naming_the_file(path):
+        net, arch, params, size = _load(path, dtype, device, progress, quantized, attention)
+    return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
+
+
+def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, quantized: bool,
+          attention: AttentionBackend | None) -> tuple[torch.nn.Module, ArchConfig, int, int]:
+    """load_model's work: build the model, fill it, pack it; (model, arch, parameters, bytes)."""
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
@@ -96,18 +107,18 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     else:
         tensors = weight_cache.unflatten_quantized(source.tensors(dtype))
     for name, tensor in tensors:
-        net.load_weight(name, tensor.to(device))
+        _place(net, name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
         seen.update(covered(name))
         bar.update(1)
     bar.close()
     if not seen:
-        raise ValueError(f"{path}: no tensors found")
+        raise CorruptModelError(f"{path}: no tensors found")
     missing = sorted(expected - seen)
     if missing:  # the parameters they fill would be left as uninitialized memory
-        raise gguf_loader.CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): "
-                                            f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        raise CorruptModelError(f"{path}: missing {len(missing)} weight tensor(s): "
+                                f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
     if quantized:
         quantized_linear.finalize_quantized(net, dtype)
         move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
@@ -117,7 +128,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     packed = quantized_linear.quantized_weights(net)
     params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)
     size = sum(p.numel() * p.element_size() for p in net.parameters()) + sum(w.nbytes for w in packed)
-    return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
+    return net, arch, params, size
+
+
+def _place(net: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """net.load_weight, with a tensor that does not fit (a shape the config does not give, a stray name) as
+    a one-line error naming it; the caller adds the file."""
+    try:
+        net.load_weight(name, tensor)
+    except ModelFileError:
+        raise
+    except (ValueError, RuntimeError, IndexError, AttributeError) as exc:
+        raise CorruptModelError(f"tensor {name} {tuple(tensor.shape)} does not fit the model the config "
+                                f"describes ({one_line(exc)})") from None
 
 
 def _materialize(net: torch.nn.Module, device: torch.device) -> None:

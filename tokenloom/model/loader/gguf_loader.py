@@ -9,14 +9,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
-from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
+from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.loader.gguf_repack import SUPPORTED, repack
+from tokenloom.model.model_errors import CorruptModelError, UnsupportedModelError, naming_the_file, one_line
 
-
-class CorruptModelError(ValueError):
-    pass
-
+__all__ = ["CorruptModelError", "GGUFModelFile", "hf_name"]
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -60,7 +58,7 @@ class GGUFModelFile:
             # one) yet share the file's pages; a write would only touch this process's private copy of a page.
             self.reader = GGUFReader(path, mode="c")
         except Exception as exc:  # the reader raises assorted errors on a bad file
-            raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from None
+            raise CorruptModelError(f"{path}: not a readable GGUF file ({one_line(exc)})") from None
         self.metadata: dict[str, object] = {}  # GGUF values; the token list as a range of its length
         for key, field in self.reader.fields.items():
             if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -72,7 +70,8 @@ class GGUFModelFile:
                 continue
         self.metadata["tokenizer.ggml.tokens"] = range(self._array_len("tokenizer.ggml.tokens"))
         names = {t.name for t in self.reader.tensors}
-        self.arch_config = ArchConfig.from_gguf(self.metadata, names)
+        with naming_the_file(path):
+            self.arch_config = ArchConfig.from_gguf(self.metadata, names)
         self.arch = self.metadata["general.architecture"]
 
     def _array_len(self, key: str) -> int:
@@ -96,10 +95,10 @@ class GGUFModelFile:
                 raise UnsupportedModelError(
                     f"{self.path}: tensor {t.name} uses unsupported quantization {t.tensor_type.name}") from None
             except Exception as exc:
-                raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
+                raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({one_line(exc)})") from None
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
-            name = hf_name(t.name, self.arch)
+            name = self._hf_name(t.name)
             if self.arch == "gemma3" and name.endswith("norm.weight"):
                 tensor = tensor - 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
             if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
@@ -112,12 +111,16 @@ class GGUFModelFile:
         try:
             weight = repack(t.tensor_type.name, t.data, rows, cols)
         except Exception as exc:
-            raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
-        name = hf_name(t.name, self.arch)
+            raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({one_line(exc)})") from None
+        name = self._hf_name(t.name)
         if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.arch_config.num_heads if ".q_proj." in name else self.arch_config.num_kv_heads
             weight = weight.index_rows(_unpermute(torch.arange(rows)[:, None], heads)[:, 0])
         return name, weight
+
+    def _hf_name(self, gguf_name: str) -> str:
+        with naming_the_file(self.path):
+            return hf_name(gguf_name, self.arch)
 
     @property
     def num_tensors(self) -> int:
