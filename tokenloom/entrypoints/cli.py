@@ -18,7 +18,8 @@ from tokenloom.config import ConfigError, EngineConfig, add_engine_args
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.chat_session import ChatSession
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
-from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
+from tokenloom.entrypoints.habits import installed_models, ollama_answer, unknown_flag_hint
+from tokenloom.entrypoints.terminal import chat_prompt_ids, require_chat_template, stream_reply
 
 if TYPE_CHECKING:  # imported when run: the LLM pulls in torch
     from tokenloom.entrypoints.llm import LLM
@@ -73,6 +74,8 @@ def _llm(ns: argparse.Namespace) -> LLM:
 
 def cmd_generate(ns) -> int:
     llm = _llm(ns)
+    if not ns.raw:
+        require_chat_template(llm, "generate")
     prompt = ns.prompt if ns.raw else chat_prompt_ids(llm, [{"role": "user", "content": ns.prompt}])
     stream_reply(llm, prompt, _params(ns))
     print()
@@ -80,7 +83,9 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_chat(ns) -> int:
-    return ChatSession(_llm(ns), _params(ns), ns.system).run()
+    llm = _llm(ns)
+    require_chat_template(llm, "chat")
+    return ChatSession(llm, _params(ns), ns.system).run()
 
 
 def cmd_cache(ns) -> int:
@@ -107,9 +112,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line (no usage block), like every other error."""
 
     command: str | None = None  # set on the root: the subcommand whose --help to point to
+    subcommands: dict[str, argparse.ArgumentParser] = {}  # set on the root: each subcommand's parser
 
     def error(self, message: str):
         prog = f"{self.prog} {self.command}" if self.command else self.prog
+        if message.startswith("unrecognized arguments") and self.command in self.subcommands:
+            message = unknown_flag_hint(message, self.subcommands[self.command]._option_string_actions)  # noqa: SLF001
         raise ConfigError(f"{message} (see {prog} --help)")
 
 
@@ -170,6 +178,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in (None, "bench"):
         from tokenloom.bench.cli import add_bench_args  # lazy: CLI start-up time
         add_bench_args(p)
+    parser.subcommands = dict(sub.choices)
     return parser
 
 
@@ -180,6 +189,13 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    first = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if first is not None and args[first] == "list":  # Ollama's `list`: the models installed here
+        print("\n".join(installed_models()))
+        return 0
+    answer = ollama_answer(args[first], args[first + 1:]) if first is not None else None
+    if answer:  # Ollama's `run` and `pull`: what does the same here
+        return _fail(answer)
     commands = ("serve", "generate", "chat", "bench", "cache", "router", "run-batch")
     command = next((a for a in args if a in commands), None)
     debug = "--debug" in args or os.environ.get("TOKENLOOM_DEBUG") == "1"

@@ -9,7 +9,8 @@ program name. Three kinds of flags live here:
   ``--trust-remote-code``: tokenloom never runs a model's own code, ``--enable-chunked-prefill``:
   prefill is always chunked);
 * flags for features tokenloom lacks: they fail at parse time with one line naming the flag
-  (`UNSUPPORTED`), so nothing is silently ignored.
+  (`UNSUPPORTED`), so nothing is silently ignored; llama.cpp's ``-ngl`` is refused only for a real
+  partial offload (`habits.gpu_layers_device`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import sys
 
 from tokenloom.config import ConfigError, env_default
+from tokenloom.entrypoints.habits import gpu_layers_device
 
 # flag -> why it is refused. Each spelling vLLM or llama.cpp uses is listed.
 UNSUPPORTED: dict[tuple[str, ...], str] = {
@@ -33,8 +35,6 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "tokenloom never downloads models: give a local GGUF file or model folder",
     ("--tool-parser-plugin",): "tool-parser plugins are not supported; see --tool-call-parser",
     ("--middleware",): "custom ASGI middleware is not supported",
-    ("--n-gpu-layers", "-ngl", "--gpu-layers"):
-        "partial GPU offload is not supported; use --device cuda for all layers",
     ("--mmproj",): "multimodal models are not supported yet",
     ("--limit-mm-per-prompt",): "multimodal models are not supported yet",
     ("--rope-scaling", "--rope-freq-base", "--rope-freq-scale"):
@@ -85,6 +85,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted: gguf (quantized GGUF files are read as such); other methods are refused")
     g.add_argument("--load-format", dest="load_format", default=None,
                    help="auto | gguf | safetensors (the format is told from the model path)")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, default=None,
+                   help="llama.cpp's layers on the GPU: every layer (or -1) = --device cuda, 0 = --device cpu; "
+                        "a partial offload is refused")
     g.add_argument("--chat-template", dest="chat_template", default=env_default("chat_template", None, str),
                    help="a Jinja chat template, as a file path or inline, replacing the model's")
     add_unsupported_args(parser)
@@ -101,6 +104,8 @@ def check_common_args(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--load-format {fmt}: not supported (one of {', '.join(LOAD_FORMATS)})")
     if getattr(ns, "threads", None) is not None and ns.threads < 1:
         raise ConfigError(f"--threads must be >= 1 (got {ns.threads})")
+    if getattr(ns, "gpu_layers", None) is not None:
+        ns.device = gpu_layers_device(ns.gpu_layers, ns.model, ns.device) or ns.device
 
 
 def apply_threads(threads: int | None) -> None:

@@ -5,10 +5,22 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
+from tokenloom.config import ConfigError
 from tokenloom.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the LLM imports torch; these helpers only call it
     from tokenloom.entrypoints.llm import LLM
+
+
+def require_chat_template(llm: LLM, command: str) -> None:
+    """A base model has no chat template: say at once what to do instead (not a template error mid-way)."""
+    if llm.tokenizer.chat_template is not None:
+        return
+    model = llm.config.model.model
+    instead = ("add --raw to send the prompt as is" if command == "generate"
+               else f"`tokenloom generate -m {model} --raw \"TEXT\"` continues a text")
+    raise ConfigError(f"{model} has no chat template (a base model): {instead}, or give one with "
+                      f"--chat-template FILE")
 
 
 def chat_prompt_ids(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
