@@ -26,9 +26,10 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def parse_json_config(cls, value, name: str):
+def parse_json_config(cls, value, name: str, check_first: Callable[[dict], None] | None = None):
     """A typed config from a dict, a JSON string (the CLI flag --NAME), an instance of `cls` or None; unknown
-    keys are one-line errors naming the known ones."""
+    keys are one-line errors naming the known ones. `check_first` sees the dict before the keys are checked
+    (a value that makes the other keys moot, such as an unsupported method, is the error to report)."""
     if value is None or isinstance(value, cls):
         return value
     if isinstance(value, str):
@@ -37,6 +38,8 @@ def parse_json_config(cls, value, name: str):
         except json.JSONDecodeError as e:
             raise ConfigError(f"--{name.replace('_', '-')} is not valid JSON: {e}") from None
     _check(isinstance(value, dict), f"{name} must be a JSON object (got {type(value).__name__})")
+    if check_first is not None:
+        check_first(value)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(value) - known)
     _check(not unknown, f"unknown {name} key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -248,8 +251,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method "draft_model"): a path, GGUF file or HF folder
 
     def __post_init__(self) -> None:
-        _check(self.method in SPEC_METHODS,
-               f"speculative method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        _check_spec_method(self.method)
         _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
                f"num_speculative_tokens must be in 1..16 (got {self.num_speculative_tokens!r})")
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
@@ -263,7 +265,13 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """From a dict, a JSON string (the CLI flag), an instance or None."""
-        return parse_json_config(cls, value, "speculative_config")
+        return parse_json_config(cls, value, "speculative_config",
+                                 lambda d: _check_spec_method(d.get("method", cls.method)))
+
+
+def _check_spec_method(method: object) -> None:
+    _check(method in SPEC_METHODS,
+           f"speculative method {method!r} is not supported (supported: {', '.join(SPEC_METHODS)})")
 
 
 # KV connectors: KV transfer for prefill/decode disaggregation (vLLM's --kv-transfer-config, FastDeploy's

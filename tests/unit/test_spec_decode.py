@@ -43,7 +43,7 @@ def test_ngram_without_a_match_proposes_nothing():
 
 # ---- configuration ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, message", [
-    ({"method": "eagle"}, "speculative method must be one of"),
+    ({"method": "eagle"}, "speculative method 'eagle' is not supported"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..16"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be >= 1"),

@@ -56,14 +56,27 @@ def test_percentiles_of_an_empty_window_are_none():
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
 
 
-@pytest.mark.parametrize("name, label", [
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF Q4_1, dequantized at load"),
-    ("model-f16.gguf", "GGUF F16, dequantized at load"),
-    ("model.gguf", "GGUF, dequantized at load"),
-    ("model.safetensors", "none"),
+@pytest.mark.parametrize("name, kept, label", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", True, "GGUF Q4_1, quantized on the native kernels"),
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", False, "GGUF Q4_1, dequantized to float32 at load"),
+    ("model-f16.gguf", False, "GGUF F16, dequantized to float32 at load"),
+    ("model.gguf", True, "GGUF, quantized on the native kernels"),
+    ("model.safetensors", False, "none"),
 ])
-def test_quantization_label_from_the_weights_file(name, label):
-    assert quantization(name) == label
+def test_quantization_label_says_how_the_engine_holds_the_weights(name, kept, label):
+    assert quantization(name, kept, "float32") == label
+
+
+def test_the_engine_reports_gguf_blocks_kept_quantized_and_their_memory(make_llm, embedded_loaded):
+    """The page's weights chip comes from what the engine reports: on the CPU with the native kernels the
+    embedded Q4_1 model stays in its blocks, and its memory is the quantized size (about 94 MiB; float32
+    would be four bytes a parameter, ~540 MiB)."""
+    from tokenloom import kernels
+    info = make_llm(num_blocks=16).engine.info
+    assert info.weights_quantized == kernels.load()
+    assert info.weights_bytes == embedded_loaded.bytes
+    if info.weights_quantized:
+        assert info.weights_bytes < embedded_loaded.num_params * 4 / 3
 
 
 def test_token_rates_are_the_counters_rise_over_the_elapsed_time():

@@ -34,3 +34,5 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     warmup_decode_seconds: float = 0.0  # the warm-up's one-sequence decode step (admission's first speed guess)
     pooling: PoolingConfig | None = None  # set: an embedding engine (serves /v1/embeddings, not generation)
     data_parallel_size: int = 1  # engine replicas behind the frontend (set by the data-parallel client)
+    weights_quantized: bool = False  # GGUF blocks kept quantized for the native kernels (else dense)
+    weights_bytes: int = 0  # the weights' memory as loaded (one rank's share)

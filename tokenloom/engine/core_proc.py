@@ -70,7 +70,8 @@ def engine_info(core: CoreLike) -> EngineInfo:
                       max_position_embeddings=w.max_position_embeddings, max_model_len=w.max_model_len,
                       eos_token_ids=list(w.eos_token_ids), device=w.device, dtype=w.dtype,
                       tensor_parallel_size=w.tensor_parallel_size, kv_cache=kv,
-                      warmup_decode_seconds=w.warmup_decode_seconds, pooling=w.pooling)
+                      warmup_decode_seconds=w.warmup_decode_seconds, pooling=w.pooling,
+                      weights_quantized=w.weights_quantized, weights_bytes=w.weights_bytes)
 
 
 class EngineCoreProc:

@@ -2,13 +2,15 @@
 
 Ctrl-C while a reply is being written stops that reply (the request is aborted in the engine
 between two steps, never in the middle of one) and the session goes on; Ctrl-C at the prompt
-only clears the line. Ctrl-D, /quit or an empty line end the session. Each command says
-what it did.
+only clears the line. Ctrl-D or /quit end the session; an empty line asks again (a stray Enter
+must not throw the conversation away). A message of several lines goes between two marks of
+three double quotes, as in Ollama. Each command says what it did.
 """
 from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
@@ -18,24 +20,41 @@ from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
 if TYPE_CHECKING:  # the LLM imports torch; the session only calls it
     from tokenloom.entrypoints.llm import LLM
 
-HELP = """commands:
+MULTILINE = '"""'
+HELP = f"""commands:
   /help           this list
   /reset          forget the conversation (the system prompt stays)
   /system [TEXT]  set the system prompt (no TEXT: remove it); the conversation is kept
   /history        show the conversation so far
-  /quit           leave (also Ctrl-D or an empty line)
+  /quit           leave (also Ctrl-D)
+{MULTILINE}             begins a message of several lines; the line that ends with {MULTILINE} ends it
 Ctrl-C stops the reply being written."""
+
+
+def read_message(first: str, read: Callable[[str], str]) -> str:
+    """The message that begins with the line `first`: that line, or, when it opens with MULTILINE, every line
+    up to the one that ends with MULTILINE (read with `read(prompt)`), joined by newlines, without the marks."""
+    first = first.strip()
+    if not first.startswith(MULTILINE):
+        return first
+    line, lines = first[len(MULTILINE):], []
+    while not line.rstrip().endswith(MULTILINE):
+        lines.append(line)
+        line = read("... ")
+    lines.append(line.rstrip()[:-len(MULTILINE)])
+    return "\n".join(lines).strip()
 
 
 class ChatSession:
     def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None, out: TextIO | None = None,
-                 err: TextIO | None = None) -> None:
+                 err: TextIO | None = None, read: Callable[[str], str] = input) -> None:
         self.llm = llm
         self.params = params
         self.system = system
         self.turns: list[dict[str, str]] = []
         self.out = out or sys.stdout
         self.err = err or sys.stderr
+        self.read = read  # input(prompt): the terminal's line editor
         self._interrupted = False
 
     def messages(self) -> list[dict[str, str]]:
@@ -59,14 +78,16 @@ class ChatSession:
         self.say("tokenloom chat: type a message; /help lists the commands, Ctrl-D leaves")
         while True:
             try:
-                line = input("you> ").strip()
+                line = read_message(self.read("you> "), self.read)
             except EOFError:
                 print(file=self.err)
                 return 0
             except KeyboardInterrupt:
                 self.say("\n(Ctrl-D or /quit to leave)")
                 continue
-            if not line or line in ("/quit", "/exit"):
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
                 return 0
             if line.startswith("/"):
                 self.command(line)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -90,7 +91,13 @@ def gpu_layers_device(gpu_layers: int, model: str | None, device: str | None) ->
 def model_layers(model: str | None) -> int:
     """How many transformer layers `model` has, read from its config.json or GGUF header without loading
     it (the API process imports no torch)."""
-    path = resolve_model_path(model)
+    return _layers_in(resolve_model_path(model))
+
+
+@functools.lru_cache(maxsize=8)
+def _layers_in(path: str) -> int:
+    """gguf's reader parses the whole header, token list included: ~2 s of CPU for the embedded model's
+    49,152 tokens, so a file is read once."""
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config = json.load(f)

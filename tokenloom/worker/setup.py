@@ -9,6 +9,7 @@ import torch
 
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.quantized_linear import quantized_weights
 from tokenloom.model.loader import LoadedModel
 from tokenloom.worker.runner import ModelRunner
 
@@ -39,7 +40,14 @@ class WorkerSetup:
         """The sliding window, when every layer attends within it: the scheduler frees blocks behind it."""
         return self.arch.sliding_window if self.arch.all_layers_windowed else None
 
+    @property
+    def weights_quantized(self) -> bool:
+        """Whether GGUF blocks stayed quantized (the native kernels multiply them), rather than dense."""
+        return bool(quantized_weights(self.loaded.model))
+
     def summary(self) -> str:
+        if getattr(self.loaded.model, "is_encoder", False):  # its KV cache is a placeholder, never written
+            return f"encoder: no KV cache; inputs of up to {self.max_model_len} tokens, each embedded in one pass"
         kv_dtype = str(self.runner.kv_caches[0].dtype).removeprefix("torch.")
         return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens; "
                 f"{self.full_length_requests} requests of {self.max_model_len} tokens fit")

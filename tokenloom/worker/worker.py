@@ -117,7 +117,8 @@ class Worker:
                           summary=setup.summary(), pooling=setup.runner.pooling,
                           warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window,
-                          kv_connector=group_info(hook.connector) if hook is not None else None)
+                          kv_connector=group_info(hook.connector) if hook is not None else None,
+                          weights_quantized=setup.weights_quantized, weights_bytes=setup.loaded.bytes)
 
     # ---- steps ----------------------------------------------------------------------------------------------
     @property

@@ -26,6 +26,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # The sliding window every layer attends within (blocks behind it are freed); None: some layer reads all.
     kv_release_window: int | None = None
     kv_connector: KVWorkerInfo | None = None  # the worker half of a KV connector, when one is configured
+    weights_quantized: bool = False  # GGUF blocks kept quantized for the native kernels (else dense)
+    weights_bytes: int = 0  # the weights' memory as loaded (one rank's share)
 
     @property
     def full_length_requests(self) -> int:

@@ -251,14 +251,22 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def ready_line(url: str, engine: AsyncLLM) -> str:
-    kv = engine.info.kv_cache if engine.info is not None else None
-    blocks, block_size = (kv.num_blocks, kv.block_size) if kv is not None else (None, None)
-    fit = kv.full_length_requests if kv is not None else None
+    """The one line that says the server is up: where, the parallel layout, and what the KV cache holds (an
+    embedding engine's requests are single prefills: its context instead)."""
+    info = engine.info
+    kv = info.kv_cache if info is not None else None
+    tp = info.tensor_parallel_size if info is not None else 1
     max_len = engine.max_model_len
     dp = engine.data_parallel_size
-    replicas = f" | {dp} engine replicas (data parallel), each with" if dp > 1 else " |"
-    return (f"tokenloom serving {engine.served_model_name} at {url}{replicas} KV cache: {blocks} blocks x "
-            f"{block_size} tokens | {fit} full-length ({max_len}-token) requests fit")
+    layout = f"{dp} engine replicas (data parallel), each tensor parallel {tp}" if dp > 1 else f"tensor parallel {tp}"
+    if info is not None and info.pooling is not None:
+        capacity = f"embeddings of up to {max_len} tokens an input"
+    elif kv is not None:
+        capacity = (f"KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens | {kv.full_length_requests} "
+                    f"full-length ({max_len}-token) requests fit")
+    else:
+        capacity = "KV cache: unknown"
+    return f"tokenloom serving {engine.served_model_name} at {url} | {layout} | {capacity}"
 
 
 ENGINE_RESTART_ATTEMPTS = 3

@@ -42,13 +42,15 @@ def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> di
     return {f"p{q:g}": ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] for q in qs}
 
 
-def quantization(weights_file: str | None) -> str:
-    """The weights' quantization as the file name tells it (llama.cpp names: ``*.Q4_1.gguf``);
-    tokenloom dequantizes GGUF weights at load, so it says so."""
+def quantization(weights_file: str | None, kept_quantized: bool, dtype: str | None) -> str:
+    """How the engine holds the weights: a GGUF file's type as its name tells it (llama.cpp names:
+    ``*.Q4_1.gguf``), and whether the engine reported its blocks kept quantized for the native kernels
+    or dequantized to `dtype` at load (the torch path, CUDA, or a type the kernels do not take)."""
     if not weights_file or not weights_file.lower().endswith(".gguf"):
         return "none"
     m = re.search(r"[.-]((?:I?Q\d\w*)|F16|F32|BF16)\.gguf$", weights_file, re.IGNORECASE)
-    return f"GGUF {m.group(1).upper() if m else ''}, dequantized at load".replace("GGUF ,", "GGUF,")
+    kind = f"GGUF {m.group(1).upper()}" if m else "GGUF"
+    return f"{kind}, quantized on the native kernels" if kept_quantized else f"{kind}, dequantized to {dtype} at load"
 
 
 class _RecentErrors(logging.Handler):
@@ -128,12 +130,14 @@ class StatusTracker:
         info = e.info
         model_path = e.model_path or ""
         weights = os.path.basename(model_path) if model_path else None
+        dtype = (info.dtype if info else None) or e.config.model.dtype
         return {
             "model": e.served_model_name,
             "model_path": model_path,
             "weights_file": weights,
-            "quantization": quantization(weights),
-            "dtype": (info.dtype if info else None) or e.config.model.dtype,
+            "quantization": quantization(weights, bool(info and info.weights_quantized), dtype),
+            "weights_bytes": info.weights_bytes if info else None,
+            "dtype": dtype,
             "kv_cache_dtype": info.kv_cache.dtype if info else None,
             "device": info.device if info else None,
             "kv_blocks": info.kv_cache.num_blocks if info else None,

@@ -8,7 +8,8 @@
   function header(h, healthy) {
     set("hdr-model", h.model);
     set("hdr-dtype", `${h.dtype} · KV ${h.kv_cache_dtype || h.dtype}${h.device ? " · " + h.device : ""}`);
-    set("hdr-quant", `${h.weights_file || "weights"} (${h.quantization})`);
+    const size = h.weights_bytes ? `, ${f.num(h.weights_bytes / 2 ** 20, 0)} MiB` : "";
+    set("hdr-quant", `${h.weights_file || "weights"} (${h.quantization}${size})`);
     set("hdr-kv", `KV ${h.kv_blocks} blocks × ${h.block_size} tokens · max len ${h.max_model_len}`);
     set("hdr-version", "v" + h.version);
     set("hdr-health", healthy ? "healthy" : "engine down");
