@@ -3,6 +3,7 @@ model loads; every start-up error is one `tokenloom: error: ...` line naming the
 shows the traceback instead."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tokenloom.entrypoints.openai.api_server import _bind
 
@@ -57,6 +60,16 @@ def test_port_in_use_fails_before_the_model_loads():
 
 def test_corrupt_gguf_fails_in_one_line(corrupt_gguf):
     assert_one_line_error(run_serve(corrupt_gguf), corrupt_gguf, "GGUF")
+
+
+def test_unsupported_architecture_fails_in_one_line_naming_the_file_and_the_supported_ones(tmp_path):
+    """A multimodal folder: its config has no text sizes at the top, and the class is what to report."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                                      "text_config": {"hidden_size": 64}, "vision_config": {}}))
+    save_file({"language_model.lm_head.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    proc = run_serve(str(tmp_path))
+    assert_one_line_error(proc, str(tmp_path / "config.json"), "'LlavaForConditionalGeneration'",
+                          "supported: ", "LlamaForCausalLM")
 
 
 def test_missing_model_path_fails_in_one_line():
