@@ -110,8 +110,9 @@ async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str) 
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.02)
         if server.started:
+            n = len(settings.worker_urls)
             workers = (f"{len(settings.prefill_urls)} prefill + {len(settings.decode_urls)} decode workers"
-                       if settings.pd else f"{len(settings.worker_urls)} workers")
+                       if settings.pd else f"{n} worker{'s' * (n != 1)}")
             print(f"tokenloom router at http://{shown}:{port} | policy {settings.policy} | {workers}", flush=True)
 
     task = asyncio.ensure_future(announce())
