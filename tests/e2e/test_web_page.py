@@ -141,6 +141,16 @@ def test_page_loads_with_no_console_errors(page, server):
 
 
 @pytest.mark.ui
+def test_the_header_says_how_the_engine_holds_the_weights_and_their_memory(page, server):
+    """The weights chip comes from what the engine reported, not from the file name alone."""
+    header = engine_status(server)["header"]
+    page.locator("#hdr-quant").filter(has_text="MiB").wait_for(timeout=10_000)
+    chip = text(page, "#hdr-quant")
+    assert header["quantization"] in chip
+    assert f"{header['weights_bytes'] / 2 ** 20:.0f} MiB" in chip
+
+
+@pytest.mark.ui
 def test_the_key_goes_only_to_this_server(page, server):
     chat(page, "Hi", max_tokens=4)
     wait_chat_done(page)
