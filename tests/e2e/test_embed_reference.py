@@ -89,6 +89,13 @@ def test_an_encoder_does_not_generate(encoder_llm):
         encoder_llm.generate("hello")
 
 
+def test_an_encoder_reports_no_kv_cache_capacity(encoder_llm):
+    """Its KV cache is a placeholder that nothing writes: the start-up line says so instead of a capacity."""
+    summary = encoder_llm.engine.info.summary
+    assert summary.startswith("encoder: no KV cache")
+    assert "fit" not in summary and "blocks" not in summary
+
+
 def test_generation_model_refuses_embed(make_llm):
     with pytest.raises(ValueError, match="this model generates"):
         make_llm().embed("hello")
