@@ -41,7 +41,7 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "RoPE overrides are not supported: the model's own RoPE settings are used",
 }
 
-# --quantization values tokenloom reads (quantized GGUF files are dequantized at load).
+# --quantization values tokenloom reads (a quantized GGUF file; on the CPU its blocks stay quantized).
 QUANTIZATIONS = ("gguf",)
 LOAD_FORMATS = ("auto", "gguf", "safetensors")
 
