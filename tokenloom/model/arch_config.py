@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenloom.config import ConfigError
 from tokenloom.core.json_types import JsonObject
-from tokenloom.model.model_errors import CorruptModelError, UnsupportedModelError
+from tokenloom.model.model_errors import CorruptModelError, ModelFileError, UnsupportedModelError
 
 # GGUF general.architecture -> HF architectures name.
 GGUF_ARCHITECTURES = {
@@ -121,9 +121,9 @@ class ArchConfig:
             raise CorruptModelError(f"config.json lacks {', '.join(map(repr, missing))} (needed by {arch})")
         try:
             return cls._from_hf(cfg, arch)
+        except ModelFileError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, UnsupportedModelError):
-                raise
             raise CorruptModelError(f"config.json: {type(exc).__name__} {exc} (a size missing or of the wrong "
                                     f"type)") from None
 
@@ -171,9 +171,9 @@ class ArchConfig:
             raise CorruptModelError(f"GGUF metadata lacks {', '.join(missing)}")
         try:
             return cls._from_gguf(meta, tensor_names, arch, get)
+        except ModelFileError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-            if isinstance(exc, UnsupportedModelError):
-                raise
             raise CorruptModelError(f"GGUF metadata of {arch!r}: {type(exc).__name__} {exc}") from None
 
     @classmethod
