@@ -1,4 +1,6 @@
-"""`tokenloom serve | generate | chat | run-batch | bench | router`: the command line.
+"""`tokenloom serve | generate | chat | run-batch | bench | router | cache | list`: the command line.
+
+Ollama's `run` and `pull` answer with the tokenloom way to do them (entrypoints/habits.py).
 
 `generate` and `chat` are for a person at a terminal: tokens are printed as they come, and
 nothing else is (no progress bars, no log lines, no periodic engine stats) unless `-v`.
