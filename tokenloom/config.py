@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from tokenloom.core.sampling_params import LOGPROBS_MODES
 from tokenloom.structured.reasoning import REASONING_PARSERS
 from tokenloom.structured.tool_parsers import TOOL_PARSERS
 
@@ -77,6 +78,8 @@ class ModelConfig:
     # auto: pooling for an encoder (BERT), generate otherwise. See tokenloom/model/pooler.py.
     runner: str = "auto"  # auto | generate | pooling
     convert: str = "auto"  # auto | none | embed
+    # What logprobs report for requests that do not choose (tokenloom.core.sampling_params.LOGPROBS_MODES).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -94,6 +97,8 @@ class ModelConfig:
         _check(self.convert in ("auto", "none", "embed"), f"convert must be auto, none or embed (got {self.convert!r})")
         _check(not (self.runner == "generate" and self.convert == "embed"),
                "--convert embed makes a pooling model: it cannot go with --runner generate")
+        _check(self.logprobs_mode in LOGPROBS_MODES,
+               f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)} (got {self.logprobs_mode!r})")
 
 
 @dataclass
@@ -520,6 +525,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "MASTER_PORT if set)")
     opt("max_n", int, "largest n / best_of a request may ask for (default 16)")
     opt("max_logprobs", int, "largest logprobs / top_logprobs a request may ask for (default 20)")
+    opt("logprobs_mode", str, "what logprobs report: raw_logprobs (default: the model's distribution) | "
+        "processed_logprobs (the one sampled from, after penalties, temperature and top-k/p) | raw_logits | "
+        "processed_logits; a request's logprobs_mode overrides it")
     opt("reasoning_parser", str, "split <think>...</think> into reasoning_content: think | qwen3 | deepseek_r1 "
         "(structured-output constraints then apply after the reasoning)")
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")

@@ -71,6 +71,8 @@ class InputProcessor:
                                    max_logit_bias=limits.max_logit_bias, vocab_size=self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestValidationError(str(exc), getattr(exc, "field", None)) from None
+        if params.logprobs_mode is None:
+            params = replace(params, logprobs_mode=self.config.model.logprobs_mode)
         if len(params.bad_words or ()) > limits.max_bad_words:
             raise RequestValidationError(f"bad_words has {len(params.bad_words)} entries; the limit is "
                                          f"{limits.max_bad_words}", "bad_words")

@@ -68,6 +68,18 @@ def _rank_of(lp: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:
     return (lp > chosen_lp.unsqueeze(-1)).sum(-1).to(torch.int64) + 1
 
 
+def logprobs_mode(params: SamplingParams) -> str:
+    """The request's logprobs mode; None (the engine's default when the server did not fill it in) is raw."""
+    return params.logprobs_mode or "raw_logprobs"
+
+
+def _reported(mode: str, processed: "ProcessedLogits") -> torch.Tensor:
+    """The [B, V] values a row in `mode` reports: log-softmax or logits, before or after processing."""
+    source = processed.raw_logits if mode.startswith("raw") else processed.logits
+    assert source is not None, "raw logits are kept whenever a row reports them"
+    return torch.log_softmax(source, dim=-1) if mode.endswith("logprobs") else source
+
+
 def _gather_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = chosen.to(torch.int64).unsqueeze(-1)
@@ -137,7 +149,8 @@ class ProcessedLogits:
     rows, their argmax on greedy ones). Speculative decoding needs these distributions themselves."""
 
     logits: torch.Tensor  # [B, V] float32
-    raw_logprobs: torch.Tensor | None  # log_softmax of the logits as given, when a row asks for raw logprobs
+    # The logits as given (before any stage), kept when a row reports raw logprobs or raw logits.
+    raw_logits: torch.Tensor | None
     random_idx: list[int]  # the rows that draw (the others are greedy)
 
 
@@ -161,17 +174,14 @@ class Sampler:
         out = SamplerOutput(token_ids=token_ids)
         if not k_list:
             return out
-        raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
-        proc_rows = [p.logprobs is not None and p.logprobs_mode != "raw" for p in params]
-        raw_lp = processed.raw_logprobs
-        if any(proc_rows):
-            lp = torch.log_softmax(processed.logits, dim=-1)
-            if raw_lp is not None:
-                lp = torch.where(_tensor(raw_rows, torch.bool, lp.device).unsqueeze(-1), raw_lp, lp)
-        else:
-            lp = raw_lp
-        assert lp is not None
-        out.logprob_token_ids, out.logprobs, out.ranks = _gather_logprobs(lp, token_ids, max(k_list))
+        modes = [logprobs_mode(p) if p.logprobs is not None else None for p in params]
+        sources = {mode: _reported(mode, processed) for mode in dict.fromkeys(m for m in modes if m is not None)}
+        first, *others = sources
+        values = sources[first]
+        for mode in others:
+            rows_of_mode = _tensor([m == mode for m in modes], torch.bool, values.device).unsqueeze(-1)
+            values = torch.where(rows_of_mode, sources[mode], values)
+        out.logprob_token_ids, out.logprobs, out.ranks = _gather_logprobs(values, token_ids, max(k_list))
         return out
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLogits:
@@ -183,8 +193,8 @@ class Sampler:
         cloned = logits.dtype != torch.float32  # .float() below then already copies
         logits = logits.float()
 
-        raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(raw_rows) else None
+        keep_raw = any(p.logprobs is not None and logprobs_mode(p).startswith("raw") for p in params)
+        raw_logits = logits.clone() if keep_raw else None
 
         greedy = [p.is_greedy for p in params]
         random_idx = [i for i, g in enumerate(greedy) if not g]
@@ -263,7 +273,7 @@ class Sampler:
         # Greedy rows: argmax of the logits so far (temperature etc. leave them untouched).
         if random_idx:
             logits = self._process_random(writable(), params, random_idx, greedy)
-        return ProcessedLogits(logits, raw_lp, random_idx)
+        return ProcessedLogits(logits, raw_logits, random_idx)
 
     # ------------------------------------------------------------------ stages
 
