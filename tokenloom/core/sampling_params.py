@@ -151,6 +151,9 @@ class SamplingParams:
     # Prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} on a prefill instance, or the
     # params it returned on a decode instance (tokenloom.kv_transfer.pd_scheduler checks them).
     kv_transfer_params: dict | None = None
+    # The request's own arguments for the engine's logits processors (vLLM's extra_args; `vllm_xargs` in an
+    # HTTP body): a flat JSON object.
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, None, "an int >= 1")
@@ -208,6 +211,9 @@ class SamplingParams:
         if self.kv_transfer_params is not None and not (isinstance(self.kv_transfer_params, dict)
                                                         and len(self.kv_transfer_params) <= 16):
             raise _err("kv_transfer_params", self.kv_transfer_params, "None or a dict of at most 16 keys")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and len(self.extra_args) <= 64
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise _err("extra_args", self.extra_args, "None or a dict of at most 64 string keys")
         if self.logprobs_mode is not None:
             if isinstance(self.logprobs_mode, str):
                 self.logprobs_mode = _LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)

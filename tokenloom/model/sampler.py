@@ -4,8 +4,8 @@ The model runner calls `Sampler()(logits, rows)` once per step with the last-pos
 logits of every running sequence ([B, V] float32, on any device) and one `SamplingRow`
 per batch row. Processing order (as vLLM v1):
 
-    allowed_token_ids mask -> bad words -> min_tokens (suppress EOS / stop ids)
-    -> logit_bias -> penalties (repetition, frequency, presence)
+    logits processors (--logits-processors) -> allowed_token_ids mask -> bad words
+    -> min_tokens (suppress EOS / stop ids) -> logit_bias -> penalties (repetition, frequency, presence)
     -> temperature -> top-k -> top-p -> min-p -> draw
 
 Every stage is vectorized over the batch (small per-row tensors are built from Python
@@ -19,6 +19,7 @@ shares the batch; the other random rows share one batched draw from the global R
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,27 +27,13 @@ import torch
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.kernels.sampling_ops import argmax_rows
 from tokenloom.model.host_copy import tensor_on
+from tokenloom.model.logits_processor import LogitsProcessor
+from tokenloom.model.sampling_row import SamplingRow
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits processed at once by compute_prompt_logprobs (bounds the
 # temporary [chunk, V] log-softmax).
 _PROMPT_LOGPROBS_CHUNK = 1024
-
-
-@dataclass
-class SamplingRow:
-    """One row of the batch."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (for penalties, min_tokens, bad words)
-    # Per-request RNG (on the logits' device), seeded when params.seed is set;
-    # None = use the global RNG.
-    generator: torch.Generator | None = None
-    # Token-id sequences to ban. A single-token sequence is always banned; for a longer
-    # one, its last token is banned when the previous ones match the output's tail.
-    bad_words_token_ids: list[list[int]] = ()
-    eos_token_ids: list[int] = ()
 
 
 @dataclass
@@ -155,7 +142,11 @@ class ProcessedLogits:
 
 
 class Sampler:
-    """Stateless batched sampler; see the module docstring for the processing order."""
+    """Stateless batched sampler; see the module docstring for the processing order. `processors`: the
+    engine's `--logits-processors` (tokenloom/model/logits_processor.py), applied first, in order."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.processors = tuple(processors)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         processed = self.process(logits, rows)
@@ -205,6 +196,9 @@ class Sampler:
                 logits = logits.clone()
                 cloned = True
             return logits
+
+        for processor in self.processors:
+            logits = processor.apply(writable(), rows).float()
 
         # 1. allowed_token_ids: everything else -> -inf.
         allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params)

@@ -34,6 +34,7 @@ from tokenloom.worker.draft_model import build_drafter, check_draft_vocabulary
 from tokenloom.worker.forward_path import choose_forward_path, wants_cuda_graphs
 from tokenloom.worker.kv_budget import GiB, kv_budget_bytes, profile_cuda_step
 from tokenloom.worker.kv_cache import KVCache, kv_heads_per_rank
+from tokenloom.worker.logits_processors import build_logits_processors
 from tokenloom.worker.runner import ModelRunner
 
 logger = logging.getLogger("tokenloom.engine")
@@ -197,5 +198,7 @@ def build_runner(config: EngineConfig, plan: DevicePlan, weights: LoadedWeights,
                                   plan.cuda_graphs)
     group = tp_group()
     connector = make_worker_connector(config, model, kv.caches, kv.block_size, group.rank, group.size)
+    processors = build_logits_processors(config, plan.device) if group.rank == 0 else []
     return ModelRunner(model, kv.caches, kv.block_size, plan.device, attention, forward=forward, drafter=drafter,
-                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None)
+                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None,
+                       logits_processors=processors)
