@@ -63,6 +63,12 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
 
+    def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
+        """Serve another model of the same shapes (a weight update) from the next step on; the requests'
+        states and the KV cache stay."""
+        self.model = model
+        self.forward = forward
+
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
         """Apply the step's deltas and block copies, once per step id."""
