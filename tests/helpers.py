@@ -244,8 +244,8 @@ def build_tiny_model(kind: str, seed: int = 0):
 def build_tp3_model(seed: int = 0):
     """A tiny random Llama whose 6 query and 3 KV heads three tensor-parallel ranks can share."""
     import transformers
-    config = transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6,
-                                         "num_key_value_heads": 3})
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 96, "intermediate_size": 192,
+                                         "num_attention_heads": 6, "num_key_value_heads": 3})
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
