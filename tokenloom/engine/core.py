@@ -84,8 +84,8 @@ class EngineCore:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo") -> bool:
-        self.executor.collective_rpc("init_weights_update_group", master_address, master_port, rank_offset,
-                                     world_size, backend)
+        self.weights.on_workers(lambda: self.executor.collective_rpc(
+            "init_weights_update_group", master_address, master_port, rank_offset, world_size, backend))
         return True
 
     def update_weights_from_distributed(self, metas_json: str) -> bool:
@@ -93,7 +93,7 @@ class EngineCore:
         return True
 
     def destroy_weights_update_group(self) -> bool:
-        self.executor.collective_rpc("destroy_weights_update_group")
+        self.weights.on_workers(lambda: self.executor.collective_rpc("destroy_weights_update_group"))
         return True
 
     def pause_generation(self) -> bool:
@@ -106,14 +106,14 @@ class EngineCore:
 
     def sleep(self, level: int = 1) -> bool:
         self.weights.check_can_sleep(level, self.scheduler.has_unfinished())
-        self.executor.collective_rpc("sleep", level)
+        self.weights.on_workers(lambda: self.executor.collective_rpc("sleep", level))
         self.weights.sleep_level = level
         self.kv_manager.reset_prefix_cache()
         return True
 
     def wake_up(self) -> bool:
         if self.weights.sleep_level:
-            self.executor.collective_rpc("wake_up")
+            self.weights.on_workers(lambda: self.executor.collective_rpc("wake_up"))
             self.weights.sleep_level = 0
         return True
 

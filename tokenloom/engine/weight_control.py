@@ -42,12 +42,17 @@ class WeightControl:
         """Run `load` on the workers; on success, later requests hash under the new weights' version."""
         if self.sleep_level:
             raise WeightControlError("the engine is asleep: wake it up (/wake_up) before updating its weights")
-        try:
-            load()
-        except WorkerCallError as exc:
-            raise WeightControlError(str(exc)) from None
+        self.on_workers(load)
         self.version += 1
         self.kv_manager.reset_prefix_cache()  # drops the free blocks' hashes now (refused while any is in use)
+
+    @staticmethod
+    def on_workers(call: Callable[[], None]) -> None:
+        """Run a worker call; what a worker refused or failed at becomes the caller's WeightControlError."""
+        try:
+            call()
+        except WorkerCallError as exc:
+            raise WeightControlError(str(exc)) from None
 
     def check_can_sleep(self, level: int, busy: bool) -> None:
         if level not in (1, 2):
