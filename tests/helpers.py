@@ -241,6 +241,21 @@ def build_tiny_model(kind: str, seed: int = 0):
     return model
 
 
+def build_tp3_model(seed: int = 0):
+    """A tiny random Llama whose 6 query and 3 KV heads three tensor-parallel ranks can share."""
+    import transformers
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 96, "intermediate_size": 192,
+                                         "num_attention_heads": 6, "num_key_value_heads": 3})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def tensor_metas_json(model) -> str:
+    """The JSON list of {name, dtype, shape} an engine receives weights by (in state_dict order)."""
+    return json.dumps([{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                       for n, t in model.state_dict().items()])
+
+
 def save_tiny_model(model, folder: str) -> str:
     """save_pretrained (safetensors) plus a minimal generation_config.json."""
     model.save_pretrained(folder, safe_serialization=True)

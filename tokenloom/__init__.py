@@ -9,7 +9,10 @@ def __getattr__(name):
     if name == "LLM":
         from tokenloom.entrypoints.llm import LLM  # lazy: LLM imports torch and the model code
         return LLM
+    if name == "LogitsProcessor":
+        from tokenloom.model.logits_processor import LogitsProcessor  # lazy: it imports torch
+        return LogitsProcessor
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LogitsProcessor", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from tokenloom.core.sampling_params import LOGPROBS_MODES
 from tokenloom.structured.reasoning import REASONING_PARSERS
 from tokenloom.structured.tool_parsers import TOOL_PARSERS
 
@@ -80,6 +81,10 @@ class ModelConfig:
     # auto: pooling for an encoder (BERT), generate otherwise. See tokenloom/model/pooler.py.
     runner: str = "auto"  # auto | generate | pooling
     convert: str = "auto"  # auto | none | embed
+    # What logprobs report for requests that do not choose (tokenloom.core.sampling_params.LOGPROBS_MODES).
+    logprobs_mode: str = "raw_logprobs"
+    # vLLM's --logits-processors: module:Class names of tokenloom.LogitsProcessor subclasses, applied in order.
+    logits_processors: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -97,6 +102,8 @@ class ModelConfig:
         _check(self.convert in ("auto", "none", "embed"), f"convert must be auto, none or embed (got {self.convert!r})")
         _check(not (self.runner == "generate" and self.convert == "embed"),
                "--convert embed makes a pooling model: it cannot go with --runner generate")
+        _check(self.logprobs_mode in LOGPROBS_MODES,
+               f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)} (got {self.logprobs_mode!r})")
 
 
 @dataclass
@@ -274,6 +281,30 @@ def _check_spec_method(method: object) -> None:
            f"speculative method {method!r} is not supported (supported: {', '.join(SPEC_METHODS)})")
 
 
+@dataclass
+class EarlyStopConfig:
+    """FastDeploy's early_stop_config: end a sequence whose most likely next token has stayed above
+    `threshold` probability for `window_size` steps in a row (a model stuck repeating itself), by forcing
+    its end-of-sequence token (finish_reason "stop"). Off unless enable_early_stop."""
+
+    enable_early_stop: bool = False
+    strategy: str = "repetition"
+    window_size: int = 3000
+    threshold: float = 0.99
+
+    def __post_init__(self) -> None:
+        _check(self.strategy == "repetition",
+               f"early_stop_config strategy must be 'repetition' (got {self.strategy!r})")
+        _check(isinstance(self.window_size, int) and self.window_size >= 1,
+               f"early_stop_config window_size must be an int >= 1 (got {self.window_size!r})")
+        _check(isinstance(self.threshold, (int, float)) and 0.0 < self.threshold < 1.0,
+               f"early_stop_config threshold must be in (0, 1) (got {self.threshold!r})")
+
+    @classmethod
+    def parse(cls, value) -> "EarlyStopConfig | None":
+        return parse_json_config(cls, value, "early_stop_config")
+
+
 # KV connectors: KV transfer for prefill/decode disaggregation (vLLM's --kv-transfer-config, FastDeploy's
 # --splitwise-role) and the KV offload tier (vLLM's --kv-offloading-backend / --kv-offloading-size, plus a
 # directory).
@@ -370,6 +401,7 @@ class EngineConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = "hermes"
     speculative_config: SpeculativeConfig | None = None
+    early_stop_config: EarlyStopConfig | None = None
     # KV transfer (vLLM's --kv-transfer-config), or FastDeploy's alias prefill | decode | mixed.
     kv_transfer_config: KVTransferConfig | None = None
     splitwise_role: str | None = None
@@ -380,6 +412,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.early_stop_config = EarlyStopConfig.parse(self.early_stop_config)
         spec = self.speculative_config
         # The draft model runs in the worker next to rank 0's sampler; sharding it is not built yet.
         _check(spec is None or spec.method != "draft_model" or self.parallel.tensor_parallel_size == 1,
@@ -438,8 +471,9 @@ class EngineConfig:
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
-        if getattr(ns, "speculative_config", None):
-            kwargs["speculative_config"] = ns.speculative_config
+        for name in ("speculative_config", "early_stop_config"):
+            if getattr(ns, name, None):
+                kwargs[name] = getattr(ns, name)
         for name in ("kv_transfer_config", "splitwise_role", "kv_offloading_backend", "kv_offloading_size",
                      "kv_offloading_path"):
             if getattr(ns, name, None) is not None:
@@ -528,6 +562,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "MASTER_PORT if set)")
     opt("max_n", int, "largest n / best_of a request may ask for (default 16)")
     opt("max_logprobs", int, "largest logprobs / top_logprobs a request may ask for (default 20)")
+    g.add_argument("--logits-processors", dest="logits_processors", nargs="+", default=None,
+                   help="module:Class names of tokenloom.LogitsProcessor subclasses, applied in order before "
+                        "sampling (see docs/serving.md)")
+    opt("early_stop_config", str, 'FastDeploy\'s early stop, as JSON: {"enable_early_stop": true, "window_size": '
+        '3000, "threshold": 0.99}: end a sequence whose top token stayed above threshold for window_size steps')
+    opt("logprobs_mode", str, "what logprobs report: raw_logprobs (default: the model's distribution) | "
+        "processed_logprobs (the one sampled from, after penalties, temperature and top-k/p) | raw_logits | "
+        "processed_logits; a request's logprobs_mode overrides it")
     opt("reasoning_parser", str, "split <think>...</think> into reasoning_content: think | qwen3 | deepseek_r1 "
         "(structured-output constraints then apply after the reasoning)")
     opt("tool_call_parser", str, "tool-call format parsed from chat output: hermes (default) | none")

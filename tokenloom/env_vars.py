@@ -10,6 +10,7 @@ This module imports nothing from tokenloom, so any layer may use it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -61,9 +62,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("NODE_RANK", "`GROUP_RANK`, else 0", "torchrun's: default of `--node-rank`", kind="external"),
     EnvVar("GROUP_RANK", "0", "torchrun's: default of `--node-rank` when `NODE_RANK` is unset", kind="external"),
     EnvVar("OPENAI_API_KEY", "none", "`tokenloom bench serve`: default of `--api-key`", kind="external"),
+    EnvVar("VLLM_SERVER_DEV_MODE", "off", "vLLM's: `1` opens the weight-update, pause and sleep endpoints (as "
+           "`--enable-weight-updates --enable-sleep-mode`)", kind="external"),
     EnvVar("MAX_JOBS", "min(4, cores)", "parallel compile jobs of the native kernel build (read by "
            "`torch.utils.cpp_extension`; set when unset)", kind="external"),
 )
 
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
+
+
+def vllm_dev_mode() -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE=1: the development endpoints are open."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes", "on")
 

@@ -420,6 +420,40 @@ def test_raw_and_processed_rows_can_share_a_batch():
                                torch.log_softmax(LOGITS / 0.5, -1).topk(2).values)
 
 
+def test_raw_logits_report_the_logits_as_given():
+    kw = dict(temperature=0.5, top_k=4, logit_bias={3: 5.0}, logprobs=3, logprobs_mode="raw_logits")
+    out = sampler(batch(LOGITS, 1), [row(**kw)])
+    torch.testing.assert_close(out.logprobs[0, 1:], LOGITS.topk(3).values)
+    assert out.logprobs[0, 0] == LOGITS[out.token_ids[0]]
+
+
+def test_processed_logits_report_what_the_token_was_drawn_from():
+    kw = dict(temperature=0.5, top_k=4, logprobs=V, logprobs_mode="processed_logits")
+    out = sampler(batch(LOGITS, 1), [row(**kw)])
+    top = LOGITS.topk(4).indices
+    expected = torch.full((V,), -math.inf)
+    expected[top] = LOGITS[top] / 0.5
+    reported = torch.empty(V)
+    reported[out.logprob_token_ids[0, 1:]] = out.logprobs[0, 1:]
+    torch.testing.assert_close(reported, expected)
+
+
+def test_each_row_reports_in_its_own_mode_within_one_batch():
+    modes = ["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+    out = sampler(batch(LOGITS, 4), [row(logprobs=2, temperature=0.5, logprobs_mode=m) for m in modes])
+    expected = [torch.log_softmax(LOGITS, -1), torch.log_softmax(LOGITS / 0.5, -1), LOGITS, LOGITS / 0.5]
+    for i, values in enumerate(expected):
+        torch.testing.assert_close(out.logprobs[i, 1:], values.topk(2).values)
+        assert out.logprobs[i, 0] == values[out.token_ids[i]]
+
+
+def test_rank_counts_the_same_in_every_mode():
+    modes = ["raw_logprobs", "raw_logits"]
+    out = sampler(batch(LOGITS, 2), [row(logprobs=1, temperature=1.0, seed=3, logprobs_mode=m) for m in modes])
+    chosen = out.token_ids.tolist()
+    assert out.ranks.tolist() == [int((LOGITS > LOGITS[t]).sum()) + 1 for t in chosen]
+
+
 def test_prompt_logprobs():
     logits = torch.randn(7, 30, generator=seeded(10))
     targets = torch.tensor([3, 0, 29, 5, 5, 17, 2])

@@ -22,7 +22,7 @@ def test_defaults_match_vllm():
     assert p.max_tokens == 16 and p.min_tokens == 0
     assert p.stop == [] and p.stop_token_ids == [] and p.bad_words == []
     assert p.logit_bias is None and p.allowed_token_ids is None and p.seed is None
-    assert p.logprobs is None and p.prompt_logprobs is None and p.logprobs_mode == "raw"
+    assert p.logprobs is None and p.prompt_logprobs is None and p.logprobs_mode is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens
     assert not p.ignore_eos and not p.include_stop_str_in_output
     assert p.structured_outputs is None
@@ -101,7 +101,7 @@ def test_decoding_invalid_params_is_rejected():
     ("logprobs", -1),
     ("prompt_logprobs", -1),
     ("ignore_eos", "yes"),
-    ("logprobs_mode", "processed_logits"),
+    ("logprobs_mode", "processed_probs"),
     ("structured_outputs", "json"),
     ("seed", 2**64),
     ("n", 1.5),
@@ -241,7 +241,7 @@ _field_values = {
     "logprobs": st.one_of(st.none(), st.integers(-2, 30)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 30)),
     "ignore_eos": st.booleans(),
-    "logprobs_mode": st.sampled_from(["raw", "processed", "bogus"]),
+    "logprobs_mode": st.sampled_from(["raw", "processed", "raw_logits", "processed_logits", "bogus"]),
 }
 
 
@@ -273,7 +273,7 @@ def _expected_valid(kw: dict) -> bool:
             len(kw["allowed_token_ids"]) > 0 and all(t >= 0 for t in kw["allowed_token_ids"])),
         kw.get("logprobs") is None or kw["logprobs"] >= 0,
         kw.get("prompt_logprobs") is None or kw["prompt_logprobs"] >= 0,
-        kw.get("logprobs_mode", "raw") in ("raw", "processed"),
+        kw.get("logprobs_mode", "raw") in ("raw", "processed", "raw_logits", "processed_logits"),
     ]
     return all(checks)
 

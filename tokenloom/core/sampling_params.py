@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 # Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
-LOGPROBS_MODES = ("raw", "processed")
+# What a request's logprobs report (vLLM's --logprobs-mode names): the model's distribution as it came out
+# ("raw": before logit bias, penalties, temperature and top-k/p/min-p) or the one a token was drawn from
+# ("processed"), as log-probabilities or as the logits themselves. A trainer that recomputes the policy's
+# probabilities needs "processed_logprobs"; "raw" and "processed" are accepted for the logprobs forms.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+_LOGPROBS_MODE_ALIASES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 # Defaults for the engine-config limits checked by `validate_limits`.
 DEFAULT_MAX_N = 128
@@ -136,7 +141,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: dict | None = None
-    logprobs_mode: str = "raw"
+    # None: the engine's --logprobs-mode (raw_logprobs unless set).
+    logprobs_mode: str | None = None
     # With a reasoning parser: end the reasoning after this many tokens by forcing its end marker.
     thinking_token_budget: int | None = None
     # An embedding request (LLM.embed, /v1/embeddings): the engine computes the whole prompt in one step and
@@ -145,6 +151,9 @@ class SamplingParams:
     # Prefill/decode disaggregation (vLLM's name): {"do_remote_decode": true} on a prefill instance, or the
     # params it returned on a decode instance (tokenloom.kv_transfer.pd_scheduler checks them).
     kv_transfer_params: dict | None = None
+    # The request's own arguments for the engine's logits processors (vLLM's extra_args; `vllm_xargs` in an
+    # HTTP body): a flat JSON object.
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, None, "an int >= 1")
@@ -202,8 +211,14 @@ class SamplingParams:
         if self.kv_transfer_params is not None and not (isinstance(self.kv_transfer_params, dict)
                                                         and len(self.kv_transfer_params) <= 16):
             raise _err("kv_transfer_params", self.kv_transfer_params, "None or a dict of at most 16 keys")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise _err("logprobs_mode", self.logprobs_mode, "one of 'raw', 'processed'")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and len(self.extra_args) <= 64
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise _err("extra_args", self.extra_args, "None or a dict of at most 64 string keys")
+        if self.logprobs_mode is not None:
+            if isinstance(self.logprobs_mode, str):
+                self.logprobs_mode = _LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)
+            if self.logprobs_mode not in LOGPROBS_MODES:
+                raise _err("logprobs_mode", self.logprobs_mode, "None or one of " + ", ".join(LOGPROBS_MODES))
 
     @staticmethod
     def _normalize_logit_bias(bias: object) -> dict[int, float]:

@@ -40,6 +40,7 @@ from tokenloom.engine.request_events import RequestEvents
 from tokenloom.engine.request_log import RequestLog
 from tokenloom.engine.restart_policy import RestartPolicy
 from tokenloom.engine.streams import OpenRequests, RequestStream
+from tokenloom.engine.weight_updates import WeightUpdates
 from tokenloom.metrics import ServerMetrics
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.outputs import RequestOutput
@@ -85,6 +86,9 @@ class AsyncLLM:
         self.restarts = RestartPolicy()
         self.load = LoadEstimator()
         self.reserved = ReservedWork()  # admitted by the server, not yet registered here (see Reservation)
+        # Weight updates, pause and sleep (serving inside a training loop): the gate new requests pass.
+        self.weight_updates = WeightUpdates(lambda *a, **kw: self.client.call_utility(*a, **kw),
+                                            lambda: self.num_inflight)
 
     # ------------------------------------------------------------------ what the server reads and sets
 
@@ -319,6 +323,7 @@ class AsyncLLM:
         queueing included) ends the request with RequestTimeoutError when it runs out.
         `reservation` (from `reserve()` at admission) hands its share of work over to this request.
         """
+        await self.weight_updates.admitted()
         if not self.client.is_alive:
             raise EngineDeadError(self.client.dead_reason or "the engine is not running")
         if request_id in self._requests:

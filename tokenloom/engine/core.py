@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from tokenloom.config import EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.request import Request
 from tokenloom.engine.faults import FaultInjector, recover_failed_step
+from tokenloom.engine.weight_control import WeightControl
 from tokenloom.executor.base import Executor
 from tokenloom.executor.factory import make_executor
 from tokenloom.kv_transfer.factory import make_scheduler_connector
@@ -48,12 +51,14 @@ class EngineCore:
         self._log_tokens = 0
         self.faults = FaultInjector.from_env()  # tests only (TOKENLOOM_FAULTS)
         self.structured = StructuredEngine(self.info.model_path, self.info.vocab_size, config.reasoning_parser)
+        self.weights = WeightControl(self.kv_manager)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
                           priority=req.priority, eos_token_ids=req.eos_token_ids,
-                          bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt)
+                          bad_words_token_ids=req.bad_words_token_ids,
+                          cache_salt=self.weights.salted(req.cache_salt))
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
         self._finished.extend(self.scheduler.add_request(request))
@@ -65,7 +70,55 @@ class EngineCore:
                 self._finished.append(engine_output(r, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished)
+        """Whether a step would do something: outputs to hand back, or requests to run (none while paused)."""
+        return bool(self._finished) or (self.scheduler.has_unfinished() and self.weights.running)
+
+    # ---- weights and memory (training loops: tokenloom/engine/weight_control.py) --------------------------
+    def update_weights_from_disk(self, path: str) -> bool:
+        self.weights.update(lambda: self.executor.collective_rpc("update_weights_from_path", path))
+        return True
+
+    def update_weights(self, tensors: dict[str, torch.Tensor]) -> bool:
+        self.weights.update(lambda: self.executor.update_weights_from_tensors(tensors))
+        return True
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, backend: str = "gloo") -> bool:
+        self.weights.on_workers(lambda: self.executor.collective_rpc(
+            "init_weights_update_group", master_address, master_port, rank_offset, world_size, backend))
+        return True
+
+    def update_weights_from_distributed(self, metas_json: str) -> bool:
+        self.weights.update(lambda: self.executor.collective_rpc("update_weights_from_distributed", metas_json))
+        return True
+
+    def destroy_weights_update_group(self) -> bool:
+        self.weights.on_workers(lambda: self.executor.collective_rpc("destroy_weights_update_group"))
+        return True
+
+    def pause_generation(self) -> bool:
+        self.weights.paused = True
+        return True
+
+    def continue_generation(self) -> bool:
+        self.weights.paused = False
+        return True
+
+    def sleep(self, level: int = 1) -> bool:
+        self.weights.check_can_sleep(level, self.scheduler.has_unfinished())
+        self.weights.on_workers(lambda: self.executor.collective_rpc("sleep", level))
+        self.weights.sleep_level = level
+        self.kv_manager.reset_prefix_cache()
+        return True
+
+    def wake_up(self) -> bool:
+        if self.weights.sleep_level:
+            self.weights.on_workers(lambda: self.executor.collective_rpc("wake_up"))
+            self.weights.sleep_level = 0
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.weights.sleep_level > 0
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
@@ -95,6 +148,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._finished = self._finished, []
         self.last_step_tokens = 0
+        if not self.weights.running:
+            return outputs
         with PROFILER.section("schedule"):
             step = self.scheduler.schedule()
         if not step:

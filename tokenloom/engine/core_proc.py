@@ -43,7 +43,11 @@ from tokenloom.worker.worker_info import WorkerInfo
 logger = logging.getLogger("tokenloom.engine")
 
 # EngineCore methods the frontend may call through UtilityCall.
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping",
+                   # serving inside a training loop (tokenloom/engine/weight_updates.py)
+                   "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
+                   "destroy_weights_update_group", "pause_generation", "continue_generation", "sleep", "wake_up",
+                   "is_sleeping")
 
 
 class CoreLike(Protocol):
@@ -94,6 +98,7 @@ class EngineCoreProc:
         self._output_addr = output_addr
         self._last_sent = 0.0
         self._step_started = 0.0  # monotonic start of the running step, 0 when none
+        self._call_started = 0.0  # monotonic start of the utility call being handled, 0 when none
         self._stop = False
         self._heap_to_trim = False  # steps ran since the last trim (heap_trim.py)
         self._closed = threading.Event()
@@ -112,10 +117,13 @@ class EngineCoreProc:
         sock.connect(self._output_addr)
         try:
             while not self._closed.wait(self.heartbeat_interval):
-                started = self._step_started
+                started, calling = self._step_started, self._call_started
                 if started and time.monotonic() - started >= self.heartbeat_interval:
                     sock.send(ipc.encode(ipc.Heartbeat(timestamp=time.time(),
                                                        step_elapsed=time.monotonic() - started)))
+                elif calling and time.monotonic() - calling >= self.heartbeat_interval:
+                    # A utility call (a weight update, a wake-up) runs for seconds: alive, and not a step.
+                    sock.send(ipc.encode(ipc.Heartbeat(timestamp=time.time())))
         finally:
             sock.close()
 
@@ -147,6 +155,7 @@ class EngineCoreProc:
             self._stop = True
 
     def _call(self, msg: ipc.UtilityCall) -> None:
+        self._call_started = time.monotonic()
         try:
             result: ipc.UtilityValue
             if msg.method == "ping":
@@ -160,6 +169,8 @@ class EngineCoreProc:
             self.send(ipc.UtilityResult(call_id=msg.call_id, result=result))
         except Exception as e:  # noqa: BLE001
             self.send(ipc.UtilityResult(call_id=msg.call_id, error=f"{type(e).__name__}: {e}"))
+        finally:
+            self._call_started = 0.0
 
     def _drain_input(self, timeout_ms: int) -> bool:
         """Handle what has arrived, waiting up to `timeout_ms` for the first message; False when none came."""

@@ -9,6 +9,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.errors import RequestValidationError
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
+from tokenloom.model.logits_processor import load_processor_class
 from tokenloom.structured.backend import get_backend
 from tokenloom.structured.spec import normalize_structured_outputs
 from tokenloom.tokenizer import Tokenizer
@@ -38,6 +39,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(eos_token_ids)))
+        # Checked here, on the API side, so a bad argument is a 400 before the request reaches the engine.
+        self.logits_processor_classes = [load_processor_class(name) for name in config.model.logits_processors or ()]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -71,6 +74,13 @@ class InputProcessor:
                                    max_logit_bias=limits.max_logit_bias, vocab_size=self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestValidationError(str(exc), getattr(exc, "field", None)) from None
+        for processor in self.logits_processor_classes:
+            try:
+                processor.validate_params(params)
+            except ValueError as exc:
+                raise RequestValidationError(f"{processor.__name__}: {exc}", "vllm_xargs") from None
+        if params.logprobs_mode is None:
+            params = replace(params, logprobs_mode=self.config.model.logprobs_mode)
         if len(params.bad_words or ()) > limits.max_bad_words:
             raise RequestValidationError(f"bad_words has {len(params.bad_words)} entries; the limit is "
                                          f"{limits.max_bad_words}", "bad_words")

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
+import torch
 from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
@@ -13,10 +14,13 @@ from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.weight_control import WeightControlError
+from tokenloom.executor.base import WorkerCallError
 from tokenloom.model.pooling_config import truncate
 from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
 from tokenloom.tokenizer import Tokenizer
+from tokenloom.worker.messages import WorkerArg
 
 Prompt = str | list[int]
 
@@ -129,7 +133,34 @@ class LLM:
             out.prompt = text
         return outputs
 
+    # ---- serving inside a training loop (docs/training.md) -------------------------------------------------
+    def update_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Serve these weights: every tensor of the model, named as in its Hugging Face checkpoint (a trainer's
+        `model.named_parameters()`); a set that does not fit raises and the old weights keep serving."""
+        self.engine.update_weights(dict(named_tensors))
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Serve the weights at `path`: a folder or GGUF of the same architecture and shapes."""
+        self.engine.update_weights_from_disk(path)
+
+    def collective_rpc(self, method: str, args: tuple[WorkerArg, ...] = ()) -> None:
+        """Call a worker method on every rank (those of tokenloom.worker.messages.WORKER_METHODS: the weight
+        updates, the weight-sync group, sleep and wake); raises what rank 0 raised."""
+        try:
+            self.engine.executor.collective_rpc(method, *args)
+        except WorkerCallError as exc:
+            raise WeightControlError(str(exc)) from None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the weights too (level 2) until `wake_up()`."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def _add(self, prompts: list[Prompt], params, priority) -> list[str]:
+        if self.engine.is_sleeping():
+            raise WeightControlError("the engine is asleep: call wake_up() first")
         if params is None:
             params = SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)

@@ -1,12 +1,23 @@
 """The executor interface: how the EngineCore reaches its workers, wherever they run."""
 from __future__ import annotations
 
+import torch
+
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.worker.messages import WorkerArg
 from tokenloom.worker.worker_info import WorkerInfo
 
 
 class ExecutorFault(RuntimeError):
     """A worker died, hung up or lost its peers: the engine, not one request, has failed."""
+
+
+class WorkerCallError(RuntimeError):
+    """A worker method called through `collective_rpc` raised; `kind` is the original exception's class."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class Executor:
@@ -17,6 +28,15 @@ class Executor:
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's samples. A request's bug raises as in one process;
         a lost worker raises ExecutorFault."""
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, *args: WorkerArg) -> None:
+        """Call a worker method (`worker.messages.WORKER_METHODS`) on every rank, between steps; rank 0's
+        exception is raised here as a `WorkerCallError` carrying the original's class name and message."""
+        raise NotImplementedError
+
+    def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve these weights (every tensor, checkpoint names) on every rank."""
         raise NotImplementedError
 
     def check_health(self) -> None:

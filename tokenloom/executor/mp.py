@@ -9,16 +9,21 @@ caught by the engine's step timeout, as a hung forward in one process would be.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
+import tempfile
 
+import torch
 import zmq
+from safetensors.torch import save_file
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.base import Executor, ExecutorFault
+from tokenloom.executor.base import Executor, ExecutorFault, WorkerCallError
 from tokenloom.model.loader import read_arch_config
 from tokenloom.worker import messages
+from tokenloom.worker.messages import WorkerArg
 from tokenloom.worker.worker_info import WorkerInfo
 from tokenloom.worker.worker_proc import start_workers
 
@@ -69,6 +74,22 @@ class MultiprocExecutor(Executor):
         if isinstance(msg, messages.StepFailed):
             raise WorkerStepError(f"{msg.kind}: {msg.error}")
         raise ExecutorFault(f"unexpected message from rank 0: {type(msg).__name__}")
+
+    def collective_rpc(self, method: str, *args: WorkerArg) -> None:
+        self.to_rank0.send(messages.encode(messages.CallWorkers(method=method, args=list(args))))
+        msg = self._receive()
+        if isinstance(msg, messages.CallFailed):
+            raise WorkerCallError(msg.kind, msg.error)
+        if not isinstance(msg, messages.CallDone):
+            raise ExecutorFault(f"unexpected message from rank 0: {type(msg).__name__}")
+
+    def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The worker processes read the tensors from one safetensors file (in shared memory where the
+        machine has it): tensors never cross a socket as pickles."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=folder) as f:
+            save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, f.name)
+            self.collective_rpc("update_weights_from_safetensors", f.name)
 
     def _receive(self):
         while not self.from_rank0.poll(POLL_MS):

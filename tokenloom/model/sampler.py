@@ -4,8 +4,8 @@ The model runner calls `Sampler()(logits, rows)` once per step with the last-pos
 logits of every running sequence ([B, V] float32, on any device) and one `SamplingRow`
 per batch row. Processing order (as vLLM v1):
 
-    allowed_token_ids mask -> bad words -> min_tokens (suppress EOS / stop ids)
-    -> logit_bias -> penalties (repetition, frequency, presence)
+    logits processors (--logits-processors) -> allowed_token_ids mask -> bad words
+    -> min_tokens (suppress EOS / stop ids) -> logit_bias -> penalties (repetition, frequency, presence)
     -> temperature -> top-k -> top-p -> min-p -> draw
 
 Every stage is vectorized over the batch (small per-row tensors are built from Python
@@ -19,6 +19,7 @@ shares the batch; the other random rows share one batched draw from the global R
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,27 +27,13 @@ import torch
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.kernels.sampling_ops import argmax_rows
 from tokenloom.model.host_copy import tensor_on
+from tokenloom.model.logits_processor import LogitsProcessor
+from tokenloom.model.sampling_row import SamplingRow
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits processed at once by compute_prompt_logprobs (bounds the
 # temporary [chunk, V] log-softmax).
 _PROMPT_LOGPROBS_CHUNK = 1024
-
-
-@dataclass
-class SamplingRow:
-    """One row of the batch."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (for penalties, min_tokens, bad words)
-    # Per-request RNG (on the logits' device), seeded when params.seed is set;
-    # None = use the global RNG.
-    generator: torch.Generator | None = None
-    # Token-id sequences to ban. A single-token sequence is always banned; for a longer
-    # one, its last token is banned when the previous ones match the output's tail.
-    bad_words_token_ids: list[list[int]] = ()
-    eos_token_ids: list[int] = ()
 
 
 @dataclass
@@ -66,6 +53,18 @@ def _tensor(data, dtype, device) -> torch.Tensor:
 def _rank_of(lp: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:
     """1-based rank: 1 + number of tokens strictly more likely than the chosen one."""
     return (lp > chosen_lp.unsqueeze(-1)).sum(-1).to(torch.int64) + 1
+
+
+def logprobs_mode(params: SamplingParams) -> str:
+    """The request's logprobs mode; None (the engine's default when the server did not fill it in) is raw."""
+    return params.logprobs_mode or "raw_logprobs"
+
+
+def _reported(mode: str, processed: "ProcessedLogits") -> torch.Tensor:
+    """The [B, V] values a row in `mode` reports: log-softmax or logits, before or after processing."""
+    source = processed.raw_logits if mode.startswith("raw") else processed.logits
+    assert source is not None, "raw logits are kept whenever a row reports them"
+    return torch.log_softmax(source, dim=-1) if mode.endswith("logprobs") else source
 
 
 def _gather_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int
@@ -137,12 +136,17 @@ class ProcessedLogits:
     rows, their argmax on greedy ones). Speculative decoding needs these distributions themselves."""
 
     logits: torch.Tensor  # [B, V] float32
-    raw_logprobs: torch.Tensor | None  # log_softmax of the logits as given, when a row asks for raw logprobs
+    # The logits as given (before any stage), kept when a row reports raw logprobs or raw logits.
+    raw_logits: torch.Tensor | None
     random_idx: list[int]  # the rows that draw (the others are greedy)
 
 
 class Sampler:
-    """Stateless batched sampler; see the module docstring for the processing order."""
+    """Stateless batched sampler; see the module docstring for the processing order. `processors`: the
+    engine's `--logits-processors` (tokenloom/model/logits_processor.py), applied first, in order."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.processors = tuple(processors)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         processed = self.process(logits, rows)
@@ -161,17 +165,14 @@ class Sampler:
         out = SamplerOutput(token_ids=token_ids)
         if not k_list:
             return out
-        raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
-        proc_rows = [p.logprobs is not None and p.logprobs_mode != "raw" for p in params]
-        raw_lp = processed.raw_logprobs
-        if any(proc_rows):
-            lp = torch.log_softmax(processed.logits, dim=-1)
-            if raw_lp is not None:
-                lp = torch.where(_tensor(raw_rows, torch.bool, lp.device).unsqueeze(-1), raw_lp, lp)
-        else:
-            lp = raw_lp
-        assert lp is not None
-        out.logprob_token_ids, out.logprobs, out.ranks = _gather_logprobs(lp, token_ids, max(k_list))
+        modes = [logprobs_mode(p) if p.logprobs is not None else None for p in params]
+        sources = {mode: _reported(mode, processed) for mode in dict.fromkeys(m for m in modes if m is not None)}
+        first, *others = sources
+        values = sources[first]
+        for mode in others:
+            rows_of_mode = _tensor([m == mode for m in modes], torch.bool, values.device).unsqueeze(-1)
+            values = torch.where(rows_of_mode, sources[mode], values)
+        out.logprob_token_ids, out.logprobs, out.ranks = _gather_logprobs(values, token_ids, max(k_list))
         return out
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLogits:
@@ -183,8 +184,8 @@ class Sampler:
         cloned = logits.dtype != torch.float32  # .float() below then already copies
         logits = logits.float()
 
-        raw_rows = [p.logprobs is not None and p.logprobs_mode == "raw" for p in params]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(raw_rows) else None
+        keep_raw = any(p.logprobs is not None and logprobs_mode(p).startswith("raw") for p in params)
+        raw_logits = logits.clone() if keep_raw else None
 
         greedy = [p.is_greedy for p in params]
         random_idx = [i for i, g in enumerate(greedy) if not g]
@@ -195,6 +196,9 @@ class Sampler:
                 logits = logits.clone()
                 cloned = True
             return logits
+
+        for processor in self.processors:
+            logits = processor.apply(writable(), rows).float()
 
         # 1. allowed_token_ids: everything else -> -inf.
         allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params)
@@ -263,7 +267,7 @@ class Sampler:
         # Greedy rows: argmax of the logits so far (temperature etc. leave them untouched).
         if random_idx:
             logits = self._process_random(writable(), params, random_idx, greedy)
-        return ProcessedLogits(logits, raw_lp, random_idx)
+        return ProcessedLogits(logits, raw_logits, random_idx)
 
     # ------------------------------------------------------------------ stages
 

@@ -85,6 +85,6 @@ def verify_sampled_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[tup
     if sampling[0].params.logprobs is None:
         return emitted, None
     m = len(emitted)
-    used = ProcessedLogits(processed.logits[:m], None if processed.raw_logprobs is None else processed.raw_logprobs[:m],
+    used = ProcessedLogits(processed.logits[:m], None if processed.raw_logits is None else processed.raw_logits[:m],
                            [])
     return emitted, sampler.with_logprobs(used, sampling[:m], torch.tensor(emitted, device=logits.device))

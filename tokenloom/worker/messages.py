@@ -1,6 +1,6 @@
 """Typed messages between the EngineCore and rank 0 of its workers (msgpack over ZMQ; never pickle).
 
-Rank 0 forwards each `ExecuteModel` / `Shutdown` to the other ranks as bytes over
+Rank 0 forwards each `ExecuteModel` / `CallWorkers` / `Shutdown` to the other ranks as bytes over
 torch.distributed (a broadcast reaches other machines too), and alone answers.
 """
 from __future__ import annotations
@@ -17,6 +17,28 @@ class ExecuteModel(msgspec.Struct, tag=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
+
+
+# Worker methods the engine may call on every rank between steps (`Executor.collective_rpc`).
+WORKER_METHODS = ("update_weights_from_path", "update_weights_from_safetensors", "init_weights_update_group",
+                  "update_weights_from_distributed", "destroy_weights_update_group", "sleep", "wake_up")
+WorkerArg = str | int | float | bool | None
+
+
+class CallWorkers(msgspec.Struct, tag=True):
+    method: str
+    args: list[WorkerArg] = []
+
+
+class CallDone(msgspec.Struct, tag=True):
+    pass
+
+
+class CallFailed(msgspec.Struct, tag=True):
+    """The call raised on rank 0 (every rank runs it alike); `kind` is the exception's class name."""
+
+    error: str
+    kind: str
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -38,8 +60,8 @@ class StartupFailed(msgspec.Struct, tag=True):
     error: str
 
 
-WorkerInput = ExecuteModel | Shutdown
-WorkerOutput = WorkerReady | StepDone | StepFailed | StartupFailed
+WorkerInput = ExecuteModel | Shutdown | CallWorkers
+WorkerOutput = WorkerReady | StepDone | StepFailed | StartupFailed | CallDone | CallFailed
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(WorkerInput)

@@ -27,6 +27,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend, Scheduled
 from tokenloom.model.layers.attention_select import choose_attention_backend, make_attention_backend
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
+from tokenloom.model.loader.tensor_source import TensorSource
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
@@ -34,6 +35,7 @@ from tokenloom.worker.draft_model import build_drafter, check_draft_vocabulary
 from tokenloom.worker.forward_path import choose_forward_path, wants_cuda_graphs
 from tokenloom.worker.kv_budget import GiB, kv_budget_bytes, profile_cuda_step
 from tokenloom.worker.kv_cache import KVCache, kv_heads_per_rank
+from tokenloom.worker.logits_processors import build_logits_processors
 from tokenloom.worker.runner import ModelRunner
 
 logger = logging.getLogger("tokenloom.engine")
@@ -108,10 +110,19 @@ class LoadedWeights:
 
 
 def load_weights(config: EngineConfig, plan: DevicePlan, progress: bool) -> LoadedWeights:
+    loaded = load_target(config, plan, progress)
+    pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path,
+                          loaded.arch.hidden_size)
+    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling)
+
+
+def load_target(config: EngineConfig, plan: DevicePlan, progress: bool, model: str | None = None,
+                tensors: TensorSource | None = None) -> LoadedModel:
+    """The served model, ready for the runner: from `model` (default the configured one) or from `tensors`
+    in memory (a weight update), in the matmul form the config asks for."""
     device, dtype = plan.device, plan.dtype
-    loaded = load_model(config.model.model, dtype, device, progress=progress, attention=plan.attention)
-    arch = loaded.arch
-    pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path, arch.hidden_size)
+    loaded = load_model(model or config.model.model, dtype, device, progress=progress, attention=plan.attention,
+                        tensors=tensors)
     if set_quantized_matmul(loaded.model, config.model.quantized_matmul):  # GGUF blocks on the native kernels
         logger.info("quantized weights multiply on the native kernels (%s)", config.model.quantized_matmul)
     matmul_dtype = same_or(config.model.matmul_dtype, dtype)
@@ -125,7 +136,7 @@ def load_weights(config: EngineConfig, plan: DevicePlan, progress: bool) -> Load
         logger.info("%d matmul weights prepacked for oneDNN", prepack_linear_weights(loaded.model))
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
-    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling)
+    return loaded
 
 
 def _load_draft(config: EngineConfig, target: LoadedModel, plan: DevicePlan, progress: bool) -> LoadedModel | None:
@@ -197,5 +208,7 @@ def build_runner(config: EngineConfig, plan: DevicePlan, weights: LoadedWeights,
                                   plan.cuda_graphs)
     group = tp_group()
     connector = make_worker_connector(config, model, kv.caches, kv.block_size, group.rank, group.size)
+    processors = build_logits_processors(config, plan.device) if group.rank == 0 else []
     return ModelRunner(model, kv.caches, kv.block_size, plan.device, attention, forward=forward, drafter=drafter,
-                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None)
+                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None,
+                       logits_processors=processors)

@@ -11,6 +11,8 @@ comes from `batch_layout.py` and the draws from `sampling_plan.py`, which the dr
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tokenloom.core.contract import ModelRunnerOutput, SampledSequence, SchedulerOutput, TokenLogprobs
@@ -18,6 +20,7 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.model.layers.attention_backend import AttentionBackend
+from tokenloom.model.logits_processor import LogitsProcessor
 from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
@@ -42,10 +45,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend, forward: ForwardPath = EAGER,
                  drafter: WorkerProposer | None = None, pooling: PoolingConfig | None = None,
-                 kv_connector: ConnectorHook | None = None):
+                 kv_connector: ConnectorHook | None = None, logits_processors: Sequence[LogitsProcessor] = ()):
         """`attention` is bound to `kv_caches` already; `drafter`: a proposer that runs here (draft model);
         `pooling`: an embedding engine's (model/pooler.py); `kv_connector`: a KV connector's worker half
-        (tokenloom.kv_transfer), whose hooks run around each step's forward."""
+        (tokenloom.kv_transfer), whose hooks run around each step's forward; `logits_processors`: applied by
+        the sampler first (on the sampling rank only)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -55,9 +59,15 @@ class ModelRunner:
         self.drafter = drafter
         self.pooling = pooling
         self.kv_connector = kv_connector
-        self.sampler = Sampler()
+        self.sampler = Sampler(logits_processors)
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
+
+    def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
+        """Serve another model of the same shapes (a weight update) from the next step on; the requests'
+        states and the KV cache stay."""
+        self.model = model
+        self.forward = forward
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:

@@ -32,7 +32,7 @@ def sampling_row(r: RequestState, output_token_ids: list[int], generator: torch.
                  params: SamplingParams | None = None) -> SamplingRow:
     """Sequence `r`'s row as if it had generated `output_token_ids` (penalties, min_tokens, bad words)."""
     return SamplingRow(params or r.params, r.prompt_token_ids, output_token_ids, generator,
-                       r.bad_words_token_ids, r.eos_token_ids)
+                       r.bad_words_token_ids, r.eos_token_ids, r.key)
 
 
 class VerifyRow(NamedTuple):

@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed import ProcessGroup
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.distributed import weight_sync
 from tokenloom.distributed.expert_parallel import init_expert_parallel
 from tokenloom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_group
+from tokenloom.heap_trim import release_free_heap
 from tokenloom.kv_transfer.rank_reports import group_info
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.model.loader import LoadedModel
+from tokenloom.model.loader.tensor_source import TensorSource
+from tokenloom.worker.forward_path import choose_forward_path
 from tokenloom.worker.kv_cache import KVCache, size_kv_cache
 from tokenloom.worker.phases import (
     WORKER_PHASES,
@@ -25,6 +35,7 @@ from tokenloom.worker.phases import (
     build_runner,
     dtype_name,
     init_device,
+    load_target,
     load_weights,
     measure_memory,
     pick_device,
@@ -33,6 +44,7 @@ from tokenloom.worker.phases import (
 from tokenloom.worker.runner import ModelRunner
 from tokenloom.worker.setup import WorkerSetup
 from tokenloom.worker.warm_up import warm_up_runner
+from tokenloom.worker.weight_update import WeightUpdateError, arch_at, check_same_shapes, decode_metas
 from tokenloom.worker.worker_info import WorkerInfo
 
 logger = logging.getLogger("tokenloom.engine")
@@ -56,6 +68,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.setup: WorkerSetup | None = None
         self.phase_seconds: dict[str, float] = {}
+        self.weights_path = config.model.model  # what level-2 sleep reloads on wake: the last path served
+        self.sync_group: ProcessGroup | None = None  # a trainer's weight-sync group, once joined
 
     # ---- start-up ---------------------------------------------------------------------------------------------
     def run_phase(self, name: str) -> None:
@@ -128,6 +142,72 @@ class Worker:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(step)
+
+    # ---- weights and memory, between steps (training loops) -----------------------------------------------
+    def update_weights_from_path(self, path: str) -> None:
+        """Serve the weights at `path` (same architecture and shapes); a refused update changes nothing."""
+        check_same_shapes(self.weights.target.arch, arch_at(path), path)
+        self._swap_target(load_target(self.config, self.plan, progress=False, model=path))
+        self.weights_path = path
+
+    def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve `tensors` (every weight, named as in a Hugging Face checkpoint), loaded dense."""
+        source = TensorSource(self.weights.target.arch, tensors)
+        try:
+            loaded = load_target(self.config, self.plan, progress=False, model="tensors in memory", tensors=source)
+        except (ValueError, RuntimeError) as exc:  # a missing name, a wrong shape
+            raise WeightUpdateError(f"the sent weights do not fit the serving model: {exc}") from None
+        self._swap_target(loaded)
+
+    def update_weights_from_safetensors(self, file: str) -> None:
+        """`update_weights_from_tensors` with the tensors of one safetensors file (how the process executor
+        hands tensors over)."""
+        self.update_weights_from_tensors(load_file(file))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  backend: str) -> None:
+        """Join a trainer's weight-sync group at rank `rank_offset + tp rank` (tokenloom.distributed.weight_sync)."""
+        self.destroy_weights_update_group()
+        self.sync_group = weight_sync.open_group(master_address, master_port, rank_offset + self.rank, world_size,
+                                                 backend)
+
+    def update_weights_from_distributed(self, metas_json: str) -> None:
+        """Receive each tensor of `metas_json` (a JSON list of {name, dtype, shape}) from the trainer's
+        broadcasts, in order, then serve them."""
+        if self.sync_group is None:
+            raise WeightUpdateError("no weight-sync group: call init_weights_update_group first")
+        metas = decode_metas(metas_json)
+        tensors = {m.name: weight_sync.receive(self.sync_group, weight_sync.dtype_named(m.dtype), m.shape,
+                                               self.plan.device) for m in metas}
+        self.update_weights_from_tensors(tensors)
+
+    def destroy_weights_update_group(self) -> None:
+        self.sync_group = None
+
+    def sleep(self, level: int) -> None:
+        """Give memory back while idle: level 1 drops the KV cache, level 2 the weights too."""
+        self.runner = self.kv = self.setup = None
+        if level >= 2:
+            self.weights = None
+        release_free_heap()
+
+    def wake_up(self) -> None:
+        """Rebuild what `sleep` dropped: the weights (from the last path served), the KV cache, the runner."""
+        if self.weights is None:
+            self.weights = load_weights(replace(self.config, model=replace(self.config.model,
+                                                                           model=self.weights_path)),
+                                        self.plan, progress=False)
+        for name in ("allocate_kv_cache", "build_runner", "warm_up"):
+            self.run_phase(name)
+
+    def _swap_target(self, loaded: LoadedModel) -> None:
+        plan, kv = self.plan, self.kv
+        self.weights = replace(self.weights, target=loaded)
+        forward = choose_forward_path(self.config, plan.device, plan.attention, loaded.model, loaded.arch,
+                                      kv.caches, kv.max_model_len, plan.cuda_graphs)
+        forward.capture(progress=False)
+        self.runner.swap_model(loaded.model, forward)
+        release_free_heap()
 
     def shutdown(self) -> None:
         if self.kv_hook is not None:

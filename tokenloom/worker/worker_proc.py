@@ -70,6 +70,9 @@ def serve_steps(worker: Worker, receive, reply) -> None:
         msg = messages.decode_input(broadcast_bytes(receive()))
         if isinstance(msg, messages.Shutdown):
             return
+        if isinstance(msg, messages.CallWorkers):
+            reply(call_worker(worker, msg))
+            continue
         try:
             out = worker.execute_model(msg.step)
         except Exception as e:  # noqa: BLE001 - the EngineCore decides whose fault it was
@@ -79,6 +82,19 @@ def serve_steps(worker: Worker, receive, reply) -> None:
             reply(messages.StepFailed(error=str(e), kind=type(e).__name__))
         else:
             reply(messages.StepDone(output=out))
+
+
+def call_worker(worker: Worker, msg: messages.CallWorkers) -> messages.CallDone | messages.CallFailed:
+    """One of `messages.WORKER_METHODS` on this rank. A failure is reported, not raised: every rank runs the
+    same call on the same state, so they fail alike and stay in step."""
+    try:
+        if msg.method not in messages.WORKER_METHODS:
+            raise ValueError(f"unknown worker method {msg.method!r}")
+        getattr(worker, msg.method)(*msg.args)
+    except Exception as e:  # noqa: BLE001 - the engine turns it into the caller's error
+        logger.error("rank %d: %s failed: %s", worker.rank, msg.method, e)
+        return messages.CallFailed(error=str(e), kind=type(e).__name__)
+    return messages.CallDone()
 
 
 def main(argv: list[str] | None = None) -> int:

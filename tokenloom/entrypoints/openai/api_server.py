@@ -51,6 +51,7 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerShuttingDownError,
     ServerState,
 )
+from tokenloom.env_vars import vllm_dev_mode
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -133,6 +134,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-ui", dest="enable_ui", action="store_false", default=not env_default("no_ui", False, bool),
                    help="do not serve the web page (live engine view and chat playground) at /")
     opt("parallel", int, None, "llama.cpp's name of --max-num-seqs", dest_override="max_num_seqs")
+    g.add_argument("--enable-weight-updates", dest="enable_weight_updates", action="store_true",
+                   default=env_default("enable_weight_updates", False, bool),
+                   help="open /update_weights_from_disk, the weight-sync group endpoints and /pause_generation, "
+                        "/continue_generation (serving inside a training loop; docs/training.md)")
+    g.add_argument("--enable-sleep-mode", dest="enable_sleep_mode", action="store_true",
+                   default=env_default("enable_sleep_mode", False, bool),
+                   help="open /sleep?level=1|2, /wake_up and /is_sleeping (vLLM's flag)")
 
     c = parser.add_argument_group("CORS (as vLLM)")
     c.add_argument("--allowed-origins", type=_json_list,
@@ -377,7 +385,9 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args))
+                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args),
+                              enable_weight_updates=args.enable_weight_updates or vllm_dev_mode(),
+                              enable_sleep_mode=args.enable_sleep_mode or vllm_dev_mode())
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

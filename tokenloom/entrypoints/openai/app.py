@@ -38,6 +38,7 @@ from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tokenloom.entrypoints.openai.weight_routes import register_sleep_routes, register_weight_update_routes
 from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX, mount_ui
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
@@ -57,6 +58,9 @@ class ServerSettings:
     allow_credentials: bool = False
     enable_ui: bool = True  # the web page at / (--no-ui: off)
     batch: BatchSettings = field(default_factory=BatchSettings)  # /v1/files and /v1/batches
+    # Serving inside a training loop (entrypoints/openai/weight_routes.py): off unless asked for.
+    enable_weight_updates: bool = False
+    enable_sleep_mode: bool = False
 
 
 class ApiKeyMiddleware:
@@ -199,4 +203,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     if settings.enable_ui:
         app.state.ui_status = mount_ui(app, engine, api_key_required=bool(settings.api_key))
     register_batch_routes(app, engine, settings.batch, state, names, fingerprint)
+    if settings.enable_weight_updates:
+        register_weight_update_routes(app, engine)
+    if settings.enable_sleep_mode:
+        register_sleep_routes(app, engine)
     return app

@@ -24,6 +24,7 @@ from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.dp_client import ReplicaUnavailableError
 from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError
+from tokenloom.engine.weight_updates import EngineAsleepError
 from tokenloom.entrypoints.openai.route_suggest import not_found_message
 from tokenloom.entrypoints.openai.server_state import ServerShuttingDownError
 
@@ -90,6 +91,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return ServerError(str(exc), code="engine_dead")
+    if isinstance(exc, EngineAsleepError):
+        return ServiceUnavailableError(str(exc), code="engine_asleep", headers={"Retry-After": "10"})
     if isinstance(exc, ReplicaUnavailableError):
         return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
     if isinstance(exc, DuplicateRequestIdError):

@@ -85,6 +85,8 @@ class SamplingFields(OpenAIBaseModel):
     data_parallel_rank: Optional[int] = Field(None, ge=0)
     # Prefill/decode disaggregation (vLLM's field): set by `tokenloom router --pd`, answered by a prefill instance.
     kv_transfer_params: Optional[dict[str, JsonValue]] = Field(None, max_length=16)
+    # The request's own arguments for the server's --logits-processors (vLLM's field).
+    vllm_xargs: Optional[dict[str, JsonValue]] = Field(None, max_length=64)
     # Seconds the request may wait and run in all (capped by --request-timeout); past it: 504.
     timeout: Optional[float] = Field(None, gt=0, le=86400)
 

@@ -48,6 +48,7 @@ def to_sampling_params(request: SamplingFields, defaults: GenerationDefaults, *,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             kv_transfer_params=request.kv_transfer_params,
+            extra_args=request.vllm_xargs,
         )
     except SamplingParamsError as e:
         raise BadRequestError(str(e), param=getattr(e, "field", None), code="invalid_value") from None

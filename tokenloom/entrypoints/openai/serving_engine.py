@@ -64,6 +64,9 @@ class OpenAIServing:
         """503 while the server drains or the engine is down or restarting."""
         if self.state.draining:
             raise ServiceUnavailableError("the server is shutting down", code="shutting_down")
+        if self.engine.weight_updates.sleep_level:
+            raise ServiceUnavailableError("the engine is asleep; wake it with /wake_up", code="engine_asleep",
+                                          headers={"Retry-After": "10"})
         if not self.engine.is_healthy:
             self._rejected("engine_unavailable")
             if self.engine.restarting:

@@ -18,6 +18,7 @@ from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
 from tokenloom.model.loader import weight_cache
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
+from tokenloom.model.loader.tensor_source import TensorSource
 from tokenloom.model.model_errors import CorruptModelError, ModelFileError, naming_the_file, one_line
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
@@ -65,23 +66,27 @@ def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               quantized: bool | None = None, attention: AttentionBackend | None = None) -> LoadedModel:
+               quantized: bool | None = None, attention: AttentionBackend | None = None,
+               tensors: TensorSource | None = None) -> LoadedModel:
     """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized). `attention`:
-    the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`)."""
+    the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`). `tensors`:
+    weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them."""
     start = time.perf_counter()
-    path = resolve_model_path(model)
+    path = resolve_model_path(model) if tensors is None else str(model)
     if quantized is None:
-        quantized = keeps_quantized(path, device, dtype)
+        quantized = tensors is None and keeps_quantized(path, device, dtype)
     with naming_the_file(path):
-        net, arch, params, size = _load(path, dtype, device, progress, quantized, attention)
+        net, arch, params, size = _load(path, dtype, device, progress, quantized, attention, tensors)
     return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, quantized: bool,
-          attention: AttentionBackend | None) -> tuple[torch.nn.Module, ArchConfig, int, int]:
+          attention: AttentionBackend | None, tensors: TensorSource | None
+          ) -> tuple[torch.nn.Module, ArchConfig, int, int]:
     """load_model's work: build the model, fill it, pack it; (model, arch, parameters, bytes)."""
     cache_key = weight_cache.QUANTIZED if quantized else dtype
-    source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
+    # A quantized model's cache entry holds the repacked blocks.
+    source = tensors if tensors is not None else open_model_source(path, dtype, quantized)
     arch = source.arch_config
     arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
     cls = model_class(arch.architecture)
