@@ -1,5 +1,8 @@
 """The router's HTTP app: its own /health, /metrics and /workers; every other path is proxied.
 
+CORS is the router's own (the same flags and default as `tokenloom serve`: closed): preflights are
+answered here and the workers' CORS headers are dropped from what is relayed (proxy.py).
+
 With `pd` set, completions (``/v1/completions``, ``/v1/chat/completions``) run on a prefill/decode
 pair (router/pd.py) and other paths go to a decode worker.
 """
@@ -13,6 +16,7 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from tokenloom.exposure.cors import CorsSettings, install_cors
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.router.policy import make_policy
 from tokenloom.router.proxy import PD_PATHS, Proxy, error, parse_json, request_headers
@@ -37,6 +41,7 @@ class RouterSettings:
     pd: bool = False
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    cors: CorsSettings = field(default_factory=CorsSettings)
 
     def workers(self) -> list[Worker]:
         strip = lambda url: url.rstrip("/")  # noqa: E731
@@ -84,6 +89,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="tokenloom router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
     app.state.metrics = metrics
+    install_cors(app, settings.cors)
 
     def serving() -> bool:
         if settings.pd:

@@ -13,6 +13,8 @@ import socket
 import sys
 
 from tokenloom.config import ConfigError
+from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
+from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.router.app import DEFAULT_MAX_PAYLOAD, RouterSettings, build_router_app
 from tokenloom.router.policy import POLICIES
 from tokenloom.router.workers import HealthSettings
@@ -52,6 +54,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
                         help="PD mode: decode instances (--splitwise-role decode)")
     opt("log_level", str, "info", "debug | info | warning | error")
+    add_cors_args(parser)
+    add_connection_args(parser)
     return parser
 
 
@@ -84,7 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
                           health=health, max_retries=args.retry_max_retries, request_timeout=args.request_timeout_secs,
                           max_payload_size=args.max_payload_size, pd=args.pd, prefill_urls=args.prefill,
-                          decode_urls=args.decode)
+                          decode_urls=args.decode, cors=CorsSettings.from_args(args))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -97,11 +101,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str) -> None:
+async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str, limits: ConnectionLimits) -> None:
     import uvicorn
 
     config = uvicorn.Config(build_router_app(settings), log_level=log_level, access_log=False, lifespan="on",
-                            timeout_keep_alive=5)
+                            **limits.uvicorn_options())
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -125,12 +129,13 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per health check
     settings = settings_from_args(args)
+    limits = ConnectionLimits.from_args(args)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        asyncio.run(_serve(settings, sock, args.log_level.lower()))
+        asyncio.run(_serve(settings, sock, args.log_level.lower(), limits))
     finally:
         sock.close()
     return 0

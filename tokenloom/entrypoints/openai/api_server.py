@@ -51,27 +51,12 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerShuttingDownError,
     ServerState,
 )
+from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
+from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
 logger = logging.getLogger("tokenloom.server")
-
-
-def _json_list(raw: str) -> list[str]:
-    """vLLM passes CORS lists as JSON ('["http://a.example"]'); a bare comma-separated list is accepted too."""
-    text = raw.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a JSON list: {raw}") from None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise argparse.ArgumentTypeError(f"expected a JSON list of strings: {raw}")
-        return value
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-_json_list.__name__ = "JSON list"
 
 
 def _json_object(raw: str) -> dict:
@@ -110,8 +95,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=_env_names(env_default("served_model_name", None, str)),
                    help="model name(s) clients send and see; the first is the one reported and used as the "
                         "metrics' model_name, the others are aliases (default: the model argument)")
-    opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
-    flag("protect_metrics", "require the API key on /metrics too")
+    opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health (/metrics "
+        "included)")
+    g.add_argument("--protect-metrics", action="store_true", default=argparse.SUPPRESS,
+                   help="accepted for old command lines: with --api-key, /metrics always needs the key")
     opt("shutdown_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     opt("max_request_body_bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413")
     opt("log_requests", str, "off", "request logging: off | lifecycle | stages | full", choices=LOG_LEVELS)
@@ -134,18 +121,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="do not serve the web page (live engine view and chat playground) at /")
     opt("parallel", int, None, "llama.cpp's name of --max-num-seqs", dest_override="max_num_seqs")
 
-    c = parser.add_argument_group("CORS (as vLLM)")
-    c.add_argument("--allowed-origins", type=_json_list,
-                   default=env_default("allowed_origins", ["*"], _json_list),
-                   help='allowed origins, JSON list (default ["*"])')
-    c.add_argument("--allowed-methods", type=_json_list,
-                   default=env_default("allowed_methods", ["*"], _json_list),
-                   help='allowed methods, JSON list (default ["*"])')
-    c.add_argument("--allowed-headers", type=_json_list,
-                   default=env_default("allowed_headers", ["*"], _json_list),
-                   help='allowed headers, JSON list (default ["*"])')
-    c.add_argument("--allow-credentials", action="store_true", default=env_default("allow_credentials", False, bool),
-                   help="allow credentials (cookies, Authorization) in cross-origin requests (default off)")
+    add_cors_args(parser)
+    add_connection_args(parser)
 
     v = parser.add_argument_group("vLLM server flags")
     v.add_argument("--response-role", default="assistant",
@@ -366,10 +343,9 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
     apply_threads(args.threads)
     os.environ["TOKENLOOM_METRICS_PREFIX"] = args.metrics_prefix
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
-                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args))
+                              max_body_bytes=args.max_request_body_bytes, cors=CorsSettings.from_args(args),
+                              connections=ConnectionLimits.from_args(args), enable_ui=args.enable_ui,
+                              batch=BatchSettings.from_args(args))
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -426,8 +402,8 @@ async def serve(args: argparse.Namespace) -> int:
     scheme = "https" if args.ssl_certfile else "http"
     uv_config = uvicorn.Config(app, log_level=(args.uvicorn_log_level or args.log_level).lower(),
                                access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="off",
-                               timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                               root_path=args.root_path)
+                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                               **settings.connections.uvicorn_options())
     server = _Server(uv_config, engine, state, args.shutdown_timeout)
     server.loop = asyncio.get_running_loop()
     engine.on_engine_dead = lambda reason: _handle_engine_death(server, engine, args, reason)
