@@ -3,7 +3,6 @@ import asyncio
 import hmac
 
 import httpx
-import pytest
 
 from tokenloom.entrypoints.openai.app import ApiKeyMiddleware
 
