@@ -314,6 +314,16 @@ def _check_device(device: str) -> None:
             raise StartupError(f"--device {device}: no CUDA device is available (use --device cpu)")
 
 
+def _check_kv_trust(config: EngineConfig) -> None:
+    """A server in a prefill/decode pair needs a way to tell its router from any client (kv_transfer/trust.py)."""
+    kv = config.kv_transfer_config
+    if kv is None or kv.kv_secret or (not kv.is_producer and kv.kv_producers):
+        return
+    raise StartupError('a prefill/decode server takes kv_transfer_params only from its router: set "kv_secret" in '
+                       "--kv-transfer-config (or TOKENLOOM_KV_SECRET) and give `tokenloom router --pd` the same "
+                       '--kv-secret (a decode-only server may instead list its producers in "kv_producers")')
+
+
 def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSettings | None, socket.socket | None]:
     """Everything that can fail fast, before the model loads: options, model path, device, port.
     Returns (config, served model names, settings, socket)."""
@@ -336,6 +346,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
             raise StartupError(f"--{flag.replace('_', '-')} {path}: no such file")
+    _check_kv_trust(config)
     resolve_model_path(config.model.model)  # raises FileNotFoundError naming the path
     _check_device(config.model.device)
     if config.parallel.node_rank > 0:  # workers only: node 0 runs the engine and the API

@@ -25,6 +25,7 @@ from tokenloom.entrypoints.openai.batch.settings import BatchSettings
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.head_requests import HeadAsGetMiddleware
+from tokenloom.entrypoints.openai.kv_trust import KVTrustMiddleware
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,6 +114,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state)
+    app.add_middleware(KVTrustMiddleware, config=engine.config.kv_transfer_config)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_ui=settings.enable_ui)
     if engine.metrics is not None:  # http_requests_total, http_request_duration_seconds, ... as vLLM exposes
