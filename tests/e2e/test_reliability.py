@@ -75,7 +75,9 @@ def test_api_key_on_every_endpoint_but_health(server):
                 assert r.status_code in (200, 503), (method, path)
             else:
                 assert r.status_code == 401, (method, path, r.status_code)
-                if path.startswith("/v1/messages"):  # Anthropic's error shape
+                if method == "HEAD":  # the status alone: a HEAD answer has no body
+                    assert r.content == b""
+                elif path.startswith("/v1/messages"):  # Anthropic's error shape
                     assert r.json()["error"]["type"] == "authentication_error"
                 else:
                     assert r.json()["error"]["code"] == "invalid_api_key"
