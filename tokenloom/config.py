@@ -334,6 +334,12 @@ class KVTransferConfig:
     kv_lease_s: float = 60.0
     # Seconds a consumer waits for one pull; past it the load has failed (and follows the policy).
     kv_transfer_timeout_s: float = 10.0
+    # Who may set kv_transfer_params over HTTP (tokenloom/kv_transfer/trust.py): the sender of this value in the
+    # X-KV-Transfer-Secret header (the router: `tokenloom router --pd --kv-secret`); else TOKENLOOM_KV_SECRET.
+    kv_secret: str | None = field(default_factory=lambda: os.environ.get("TOKENLOOM_KV_SECRET") or None)
+    # Consumer: the producers it may pull from, each a host (any port) or a full tcp://host:port or ipc://path
+    # address; a remote_address elsewhere is refused. None: wherever the (trusted) sender says.
+    kv_producers: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check(self.kv_connector in KV_CONNECTORS,
@@ -349,6 +355,12 @@ class KVTransferConfig:
         _check(self.kv_lease_s > 0, f"kv_lease_s must be > 0 (got {self.kv_lease_s})")
         _check(self.kv_transfer_timeout_s > 0,
                f"kv_transfer_timeout_s must be > 0 (got {self.kv_transfer_timeout_s})")
+        _check(self.kv_secret is None or (isinstance(self.kv_secret, str) and len(self.kv_secret) >= 16),
+               "kv_secret must be a string of at least 16 characters (e.g. `openssl rand -hex 16`)")
+        _check(self.kv_producers is None or (isinstance(self.kv_producers, list) and self.kv_producers
+                                             and all(isinstance(p, str) and p for p in self.kv_producers)),
+               f"kv_producers must be a non-empty list of hosts or tcp:// / ipc:// addresses "
+               f"(got {self.kv_producers!r})")
 
     @property
     def is_producer(self) -> bool:
@@ -585,7 +597,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("kv_transfer_config", str, 'KV transfer for prefill/decode disaggregation, as JSON: {"kv_connector": '
         '"ZmqConnector", "kv_role": "kv_producer|kv_consumer|kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, '
         '"kv_transport": "tcp|ipc", "kv_load_failure_policy": "recompute|fail", "kv_lease_s": 60, '
-        '"kv_transfer_timeout_s": 10}')
+        '"kv_transfer_timeout_s": 10, "kv_secret": SECRET, "kv_producers": ["10.0.0.5", "tcp://10.0.0.6:5600"]}; '
+        'kv_secret (default TOKENLOOM_KV_SECRET) is the one `tokenloom router --pd` sends')
     opt("splitwise_role", str, "prefill | decode | mixed: FastDeploy's alias for kv_role kv_producer | kv_consumer | "
         "no transfer")
     opt("kv_offloading_backend", str, "native: save evicted prefix-cache blocks to host memory (or to "

@@ -42,7 +42,7 @@ def server():
 
 
 def metrics(srv) -> dict[str, float]:
-    return metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
+    return metric_values(httpx.get(srv.url + "/metrics", headers=H, timeout=30).text)
 
 
 def error_in_its_apis_shape(path: str, body) -> bool:
@@ -276,10 +276,10 @@ async def _soak(srv, seconds: float, concurrency: int, seed: int = 0) -> dict:
 
 def run_soak(srv, seconds: float, concurrency: int = 6) -> None:
     asyncio.run(_soak(srv, min(10.0, seconds / 4), concurrency, seed=1))  # warm-up
-    before = wait_idle(srv)
+    before = wait_idle(srv, headers=H)
     rss0 = _rss_kb(srv.pid)
     stats = asyncio.run(_soak(srv, seconds, concurrency, seed=2))
-    m = wait_idle(srv)  # no request left running, no KV block leaked
+    m = wait_idle(srv, headers=H)  # no request left running, no KV block leaked
     rss1 = _rss_kb(srv.pid)
     assert stats["answered"] + stats["cancelled"] == stats["sent"], stats
     assert stats["ok"] > 0 and stats["stream_ok"] > 0 and stats["cancelled"] > 0 and stats["invalid"] > 0, stats

@@ -1,29 +1,35 @@
 """A prefill/decode pair of real `tokenloom serve` processes on the embedded model, driven by
 `tokenloom.router.pd.pd_request` (what `tokenloom router --pd` runs): the answers equal the decode
 instance's own greedy answer to the plain request, streamed or not, and the decoder reports the whole
-prompt as cached (it computed none of it)."""
+prompt as cached (it computed none of it). Both take kv_transfer_params only with the pair's secret: a client
+without it gets a 400 at once, from either instance."""
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 from server_harness import MODEL, ServerProcess
 
+from tokenloom.kv_transfer.trust import SECRET_HEADER
 from tokenloom.router.pd import pd_request
 
 pytestmark = pytest.mark.slow  # two servers on the embedded model: a minute or two to start on 2 cores
 
 PROMPT = "The three primary colours are"
 MESSAGES = [{"role": "user", "content": "Name a large city in France."}]
+SECRET = "pd-e2e-secret-0123456789"
+TRUSTED = {SECRET_HEADER: SECRET}
 
 
 @pytest.fixture(scope="module")
 def pair():
-    prefill = ServerProcess("--splitwise-role", "prefill")
+    prefill = ServerProcess("--splitwise-role", "prefill", env={"TOKENLOOM_KV_SECRET": SECRET})
     try:
-        decode = ServerProcess("--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_transfer_timeout_s": 20}')
+        config = {"kv_role": "kv_consumer", "kv_transfer_timeout_s": 20, "kv_secret": SECRET}
+        decode = ServerProcess("--kv-transfer-config", json.dumps(config))
     except BaseException:
         prefill.terminate()
         raise
@@ -37,7 +43,7 @@ def through_pair(pair, path: str, body: dict) -> tuple[int, bytes]:
 
     async def go():
         async with httpx.AsyncClient(timeout=120) as client:
-            response = await pd_request(client, path, body, prefill.url, decode.url)
+            response = await pd_request(client, path, body, prefill.url, decode.url, headers=TRUSTED)
             try:
                 return response.status_code, await response.aread()
             finally:
@@ -68,5 +74,21 @@ def test_a_streamed_chat_through_the_pair_equals_the_decoders_own_answer(pair):
 
 def test_the_prefill_instance_answers_with_the_params_a_decoder_needs(pair):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    params = pair[0].post("/v1/completions", json=body).json()["kv_transfer_params"]
+    params = pair[0].post("/v1/completions", json=body, headers=TRUSTED).json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_address"].startswith("tcp://127.0.0.1:")
+
+
+def test_a_client_without_the_secret_cannot_pin_the_prefill_instances_blocks(pair):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = pair[0].post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_kv_transfer"
+
+
+def test_a_client_cannot_point_the_decoder_at_a_host_of_its_choosing(pair):
+    params = {"do_remote_prefill": True, "remote_address": "tcp://192.0.2.1:80", "remote_transfer_id": "x" * 32,
+              "remote_num_tokens": 6, "first_token_id": 1}
+    t0 = time.monotonic()
+    r = pair[1].post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4,
+                                              "kv_transfer_params": params})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_kv_transfer"
+    assert time.monotonic() - t0 < 5  # refused at the door: no connection attempt, no transfer timeout

@@ -51,7 +51,7 @@ def sse_events(resp: httpx.Response) -> list:
 
 
 def metrics(server) -> dict[str, float]:
-    return metric_values(server.get("/metrics").text)
+    return metric_values(server.get("/metrics", headers=auth()).text)
 
 
 # ---------------------------------------------------------------- simple endpoints
@@ -234,7 +234,7 @@ def test_auth_errors(server):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert server.get("/health").status_code == 200
-    assert server.get("/metrics").status_code == 200
+    assert server.get("/metrics", headers=auth()).status_code == 200
 
 
 @pytest.mark.parametrize("body,param", [

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from server_harness import ServerProcess, metric_values
 
@@ -114,6 +115,13 @@ def test_page_and_assets_load_without_the_key_and_say_a_key_is_needed(server):
     assert page.status_code == 200 and 'data-auth="required"' in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert server.get("/ui/static/vendor/purify.min.js").status_code == 200
+
+
+def test_head_on_the_page_answers_as_get_without_a_body(server):
+    got, head = server.get("/"), httpx.head(server.url + "/", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    assert head.headers["content-length"] == got.headers["content-length"]
 
 
 # ------------------------------------------------------------------ in the browser

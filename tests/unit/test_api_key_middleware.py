@@ -1,9 +1,8 @@
-"""ApiKeyMiddleware: constant-time comparison, open paths, --protect-metrics."""
+"""ApiKeyMiddleware: constant-time comparison, open paths (/health; /metrics needs the key)."""
 import asyncio
 import hmac
 
 import httpx
-import pytest
 
 from tokenloom.entrypoints.openai.app import ApiKeyMiddleware
 
@@ -21,12 +20,15 @@ def _status(app, path, key=None):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("protect", [False, True])
-def test_open_and_protected_paths(protect):
-    app = ApiKeyMiddleware(_ok, "s3cret", protect_metrics=protect)
+def test_health_is_open_and_metrics_need_the_key():
+    app = ApiKeyMiddleware(_ok, "s3cret")
     assert _status(app, "/health") == 200
-    assert _status(app, "/metrics") == (401 if protect else 200)
+    assert _status(app, "/metrics") == 401
     assert _status(app, "/metrics", "s3cret") == 200
+
+
+def test_every_other_path_needs_the_key():
+    app = ApiKeyMiddleware(_ok, "s3cret")
     for path in ("/v1/models", "/v1/completions", "/tokenize", "/version", "/openapi.json", "/docs", "/nope"):
         assert _status(app, path) == 401
         assert _status(app, path, "s3cre") == 401

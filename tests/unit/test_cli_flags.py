@@ -112,10 +112,10 @@ def test_quantization_gguf_is_accepted_and_others_refused():
         check_common_args(parse("serve", "--quantization", "awq"))
 
 
-def test_cors_flags_take_vllms_json_lists_with_vllms_defaults():
+def test_cors_flags_take_vllms_json_lists_and_allow_no_origin_by_default():
     ns = parse("serve")
     assert (ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials) == (
-        ["*"], ["*"], ["*"], False)
+        [], ["*"], ["*"], False)
     ns = parse("serve", "--allowed-origins", '["http://a.example", "http://b.example"]', "--allow-credentials")
     assert ns.allowed_origins == ["http://a.example", "http://b.example"] and ns.allow_credentials
 

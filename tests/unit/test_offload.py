@@ -4,7 +4,9 @@ them back with output unchanged, the disk tier survives a restart, its size stay
 model or another cache salt never reads them."""
 from __future__ import annotations
 
+import logging
 import os
+import random
 
 import pytest
 from helpers import greedy_params, make_request, random_prompts
@@ -124,14 +126,55 @@ def test_the_disk_tier_stays_within_its_size(make_core, tmp_path):
     assert len(tier_files(tmp_path)) == 5
 
 
-def test_a_corrupt_block_file_is_recomputed_not_read(make_core, reference, tmp_path):
+def _truncate(data: bytes) -> bytes:
+    return data[:100]
+
+
+def _flip_a_payload_byte(data: bytes) -> bytes:
+    return data[:-7] + bytes([data[-7] ^ 0x40]) + data[-6:]  # the same length: only the checksum can tell
+
+
+def _junk(data: bytes) -> bytes:
+    return bytes(random.Random(len(data)).getrandbits(8) for _ in range(len(data)))
+
+
+DAMAGES = [(_truncate, "truncated"), (_flip_a_payload_byte, "checksum mismatch"), (_junk, "unreadable header")]
+
+
+def test_damaged_block_files_are_detected_logged_and_recomputed_never_read(make_core, reference, tmp_path, caplog):
+    """The block files saved at shutdown are each damaged one of three ways, in turn: each is caught by its own
+    check."""
     first = offload_core(make_core, kv_offloading_path=str(tmp_path))
     run(first, "a", PROMPT)
-    evict_everything(first)
     first.shutdown()
-    for root, _, files in os.walk(tmp_path):
-        for f in files:
-            with open(os.path.join(root, f), "r+b") as fh:
-                fh.truncate(100)
+    files = sorted(os.path.join(root, f) for root, _, names in os.walk(tmp_path) for f in names)
+    # 8 files (the prompt's 7 full blocks and one of its output), so each damage lands on one the prompt reads
+    assert len(files) >= 2 * len(DAMAGES)
+    for i, path in enumerate(files):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        with open(path, "wb") as fh:
+            fh.write(DAMAGES[i % len(DAMAGES)][0](data))
     second = offload_core(make_core, kv_offloading_path=str(tmp_path))
-    assert run(second, "b", PROMPT)[0] == reference
+    with caplog.at_level(logging.WARNING, logger="tokenloom.kv_transfer"):
+        got, cached = run(second, "b", PROMPT)
+    assert got == reference
+    assert cached == 0  # nothing it reused: every block of the prompt was damaged
+    assert second.stats()["kv_offload_loaded"] > 0  # the loads were tried, and failed
+    for _, why in DAMAGES:
+        assert why in caplog.text
+    read = [p for p in files if p in caplog.text]
+    assert read and not any(os.path.exists(p) for p in read)  # removed once found damaged
+
+
+def test_files_that_are_not_blocks_are_not_listed_in_the_tier(make_core, tmp_path):
+    first = offload_core(make_core, kv_offloading_path=str(tmp_path))
+    run(first, "a", PROMPT)
+    first.shutdown()
+    folder = next(root for root, _, names in os.walk(tmp_path) if names)
+    saved = first.stats()["kv_offload_blocks"]
+    for name in ("notes.kv", "0123.kv", "Z" * 40 + ".kv"):
+        with open(os.path.join(folder, name), "wb") as fh:
+            fh.write(b"junk")
+    second = offload_core(make_core, kv_offloading_path=str(tmp_path))
+    assert second.stats()["kv_offload_blocks"] == saved

@@ -192,6 +192,20 @@ def test_remote_prefill_params_that_do_not_match_the_prompt_are_rejected(consume
         consumer.add_request(make_request("d", PROMPTS[1], greedy_params(4, kv_transfer_params=params)))
 
 
+def test_a_decoder_with_a_producer_list_refuses_an_address_off_it(make_core):
+    consumer = make_core("llama", kv_transfer_config={"kv_role": "kv_consumer", "kv_producers": ["10.0.0.5"]})
+    params = {"do_remote_prefill": True, "remote_address": "tcp://127.0.0.1:1", "remote_transfer_id": "x",
+              "remote_num_tokens": len(PROMPTS[1]), "first_token_id": 7}
+    with pytest.raises(ValueError, match="not among kv_producers"):
+        consumer.add_request(make_request("d", PROMPTS[1], greedy_params(4, kv_transfer_params=params)))
+
+
+def test_a_decoder_pulls_from_a_producer_on_its_list(make_core, producer, mixed_outputs):
+    consumer = make_core("llama", kv_transfer_config={"kv_role": "kv_consumer", "kv_producers": ["127.0.0.1"]})
+    params = prefill(producer, "p", PROMPTS[0])
+    assert tokens(decode(consumer, "d", PROMPTS[0], params)) == mixed_outputs[0]
+
+
 def test_a_prefill_only_instance_refuses_remote_prefill_params(producer):
     params = {"do_remote_prefill": True}
     with pytest.raises(ValueError, match="not a KV consumer"):

@@ -97,7 +97,8 @@ def test_router_flags_follow_sglang_names():
     assert [w.url for w in s.workers()] == ["http://a:1", "http://b:2"]
     assert (s.policy, s.cache_threshold, s.balance_abs_threshold, s.health.failure_threshold,
             s.max_payload_size) == ("round_robin", 0.5, 8, 1, 1024)
-    pd = _settings("--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "http://d:2")
+    pd = _settings("--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "http://d:2",
+                   "--kv-secret", "0123456789abcdef")
     assert [(w.role, w.url) for w in pd.workers()] == [("prefill", "http://p:1"), ("decode", "http://d:1"),
                                                        ("decode", "http://d:2")]
 

@@ -24,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -38,6 +37,7 @@ from tokenloom.core.engine_info import EngineInfo
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.stats import EngineStats
 from tokenloom.engine import ipc
+from tokenloom.engine.socket_dir import make_socket_dir
 from tokenloom.engine.zmq_reader import SocketReader
 
 logger = logging.getLogger("tokenloom.engine")
@@ -121,7 +121,7 @@ class EngineCoreClient:
 
     async def start(self, startup_timeout: float | None = None) -> EngineInfo:
         self._loop = asyncio.get_running_loop()
-        self._tmpdir = tempfile.mkdtemp(prefix="tokenloom-")
+        self._tmpdir = make_socket_dir()
         input_addr = f"ipc://{self._tmpdir}/input.sock"
         output_addr = f"ipc://{self._tmpdir}/output.sock"
         self._ctx = zmq.asyncio.Context()

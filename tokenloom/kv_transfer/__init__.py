@@ -13,6 +13,6 @@ They talk only through the step contract: `metadata.KVConnectorMetadata` on the 
 ranks' reports on rank 0.
 
 Two connectors: `ZmqConnector` (prefill/decode disaggregation over ZMQ, `pd_scheduler`, `pd_worker`, the
-producer's `transport` and the decoder's `puller`) and the offload tier (`offload_scheduler`,
-`offload_worker`, `offload_store`).
+producer's `transport` and the decoder's `puller`; `trust` says who may set a request's kv_transfer_params)
+and the offload tier (`offload_scheduler`, `offload_worker`, `offload_store`).
 """

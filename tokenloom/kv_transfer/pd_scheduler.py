@@ -21,6 +21,7 @@ from tokenloom.config import KVTransferConfig
 from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput, KVWorkerInfo, Publish, RemoteLoad
 from tokenloom.core.request import Request
+from tokenloom.kv_transfer.trust import producer_allowed
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 
 MAX_TRANSFER_ID = 64  # characters; ours are 32 hex digits
@@ -40,8 +41,9 @@ class Lease:
     deadline: float  # time.monotonic()
 
 
-def _remote_prefill(params: dict, request: Request) -> RemotePrefill:
-    """The params a producer returned, checked (they come through the client body)."""
+def _remote_prefill(params: dict, request: Request, allowed: list[str] | None) -> RemotePrefill:
+    """The params a producer returned, checked (they come through the client body; the HTTP server took them
+    only from a trusted sender, kv_transfer/trust.py); `allowed`: the kv_producers allow-list, if any."""
     address, tid = params.get("remote_address"), params.get("remote_transfer_id")
     first, num = params.get("first_token_id"), params.get("remote_num_tokens")
     addresses = [address] if isinstance(address, str) else address
@@ -49,6 +51,9 @@ def _remote_prefill(params: dict, request: Request) -> RemotePrefill:
             and all(isinstance(a, str) and a.startswith(("tcp://", "ipc://")) and len(a) < 256 for a in addresses)):
         raise ValueError("kv_transfer_params.remote_address must be a tcp:// or ipc:// address "
                          "(or a list of them, one per tensor-parallel rank)")
+    outside = [a for a in addresses if allowed is not None and not producer_allowed(a, allowed)]
+    if outside:
+        raise ValueError(f"kv_transfer_params.remote_address {outside[0]!r} is not among kv_producers")
     if not (isinstance(tid, str) and 0 < len(tid) <= MAX_TRANSFER_ID):
         raise ValueError("kv_transfer_params.remote_transfer_id is missing or too long")
     if not isinstance(first, int) or num != request.num_prompt_tokens:
@@ -84,7 +89,7 @@ class ZmqScheduler(SchedulerConnector):
         elif params.get("do_remote_prefill"):
             if not self.config.is_consumer:
                 raise ValueError("this instance is not a KV consumer (start it with --splitwise-role decode)")
-            remote = _remote_prefill(params, request)
+            remote = _remote_prefill(params, request, self.config.kv_producers)
             self.remote[request.key] = remote
             return remote.first_token
         return None

@@ -1,7 +1,11 @@
 """The router's HTTP app: its own /health, /metrics and /workers; every other path is proxied.
 
+CORS is the router's own (the same flags and default as `tokenloom serve`: closed): preflights are
+answered here and the workers' CORS headers are dropped from what is relayed (proxy.py).
+
 With `pd` set, completions (``/v1/completions``, ``/v1/chat/completions``) run on a prefill/decode
-pair (router/pd.py) and other paths go to a decode worker.
+pair (router/pd.py), sent with the pair's shared secret (the servers take kv_transfer_params from no one
+else), and other paths go to a decode worker without it.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from tokenloom.exposure.cors import CorsSettings, install_cors
+from tokenloom.kv_transfer.trust import SECRET_HEADER
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.router.policy import make_policy
 from tokenloom.router.proxy import PD_PATHS, Proxy, error, parse_json, request_headers
@@ -37,6 +43,8 @@ class RouterSettings:
     pd: bool = False
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    kv_secret: str | None = None  # PD: the pair's kv_secret, sent with every completion (kv_transfer/trust.py)
 
     def workers(self) -> list[Worker]:
         strip = lambda url: url.rstrip("/")  # noqa: E731
@@ -84,6 +92,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="tokenloom router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
     app.state.metrics = metrics
+    install_cors(app, settings.cors)
 
     def serving() -> bool:
         if settings.pd:
@@ -119,6 +128,8 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
         handler: Proxy = state["proxy"]
         if settings.pd:
             if request.method == "POST" and request.url.path in PD_PATHS and isinstance(parsed, dict):
+                if settings.kv_secret:
+                    headers[SECRET_HEADER] = settings.kv_secret
                 return await handler.forward_pd(request.url.path, headers, parsed)
             return await handler.forward(request.method, target, headers, body, parsed, role="decode")
         return await handler.forward(request.method, target, headers, body, parsed)

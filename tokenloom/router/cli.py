@@ -12,7 +12,9 @@ import logging
 import socket
 import sys
 
-from tokenloom.config import ConfigError
+from tokenloom.config import ConfigError, env_default
+from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
+from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.router.app import DEFAULT_MAX_PAYLOAD, RouterSettings, build_router_app
 from tokenloom.router.policy import POLICIES
 from tokenloom.router.workers import HealthSettings
@@ -51,7 +53,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="PD mode: prefill instances (--splitwise-role prefill)")
     parser.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
                         help="PD mode: decode instances (--splitwise-role decode)")
+    parser.add_argument("--kv-secret", dest="kv_secret", default=env_default("kv_secret", None, str),
+                        help="PD mode: the kv_secret of the --prefill and --decode servers' --kv-transfer-config "
+                             "(or their TOKENLOOM_KV_SECRET), sent with each completion so that they take its "
+                             "kv_transfer_params")
     opt("log_level", str, "info", "debug | info | warning | error")
+    add_cors_args(parser)
+    add_connection_args(parser)
     return parser
 
 
@@ -61,6 +69,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             raise ConfigError("--pd takes --prefill and --decode URLs, not --worker-urls")
         if not args.prefill or not args.decode:
             raise ConfigError("--pd needs at least one --prefill URL and one --decode URL")
+        if not args.kv_secret:
+            raise ConfigError("--pd needs --kv-secret (or TOKENLOOM_KV_SECRET): the kv_secret its prefill and decode "
+                              "servers share, without which they refuse the router's kv_transfer_params")
     elif not args.worker_urls:
         raise ConfigError("give the workers with --worker-urls URL [URL ...] (or --pd --prefill URL --decode URL)")
     elif args.prefill or args.decode:
@@ -84,7 +95,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
                           health=health, max_retries=args.retry_max_retries, request_timeout=args.request_timeout_secs,
                           max_payload_size=args.max_payload_size, pd=args.pd, prefill_urls=args.prefill,
-                          decode_urls=args.decode)
+                          decode_urls=args.decode, cors=CorsSettings.from_args(args),
+                          kv_secret=args.kv_secret)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -97,11 +109,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str) -> None:
+async def _serve(settings: RouterSettings, sock: socket.socket, log_level: str, limits: ConnectionLimits) -> None:
     import uvicorn
 
     config = uvicorn.Config(build_router_app(settings), log_level=log_level, access_log=False, lifespan="on",
-                            timeout_keep_alive=5)
+                            **limits.uvicorn_options())
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -126,12 +138,13 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per health check
     settings = settings_from_args(args)
+    limits = ConnectionLimits.from_args(args)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        asyncio.run(_serve(settings, sock, args.log_level.lower()))
+        asyncio.run(_serve(settings, sock, args.log_level.lower(), limits))
     finally:
         sock.close()
     return 0

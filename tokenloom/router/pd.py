@@ -7,6 +7,8 @@ The flow of vLLM's disaggregated-serving proxy: the prefill instance (started wi
 and answers with the ``kv_transfer_params`` a decoder needs (its KV address, the transfer id, the
 first token). The decode instance (``kv_consumer`` / ``--splitwise-role decode``) gets the original
 body plus those params, pulls the KV over ZMQ, computes no prompt token and streams the answer.
+Both instances take kv_transfer_params only with the pair's secret in the headers (the caller adds it;
+tokenloom/kv_transfer/trust.py).
 """
 from __future__ import annotations
 

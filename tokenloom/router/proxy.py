@@ -32,6 +32,8 @@ logger = logging.getLogger("tokenloom.router")
 # content-length, which the client library sets for the new request.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
+# CORS is the router's to answer (exposure/cors.py): a worker's own CORS headers are not relayed.
+CORS_PREFIX = "access-control-"
 RETRY_STATUSES = {502, 503, 504}
 # The worker could not have started the request: nothing reached the client, so another may run it.
 NOT_STARTED_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
@@ -173,7 +175,8 @@ class Proxy:
             finally:
                 await finish()
 
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP - {"content-length"}}
+        headers = {k: v for k, v in resp.headers.items()
+                   if k.lower() not in HOP_BY_HOP - {"content-length"} and not k.lower().startswith(CORS_PREFIX)}
         return StreamingResponse(relay(), status_code=resp.status_code, headers=headers,
                                  background=BackgroundTask(finish))
 

@@ -417,6 +417,7 @@ class Scheduler:
         """A KV load failed: recompute the request from scratch, or end it with an error (the policy)."""
         if self.connector.failure_policy() == "recompute":
             self._preempt(r)
+            r.num_cached_tokens = -1  # counted again when it is scheduled: what it reuses, not what failed to load
             return []
         self.finish(r, "error")
         out = engine_output(r, [])

@@ -52,27 +52,12 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerState,
 )
 from tokenloom.env_vars import vllm_dev_mode
+from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
+from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
 logger = logging.getLogger("tokenloom.server")
-
-
-def _json_list(raw: str) -> list[str]:
-    """vLLM passes CORS lists as JSON ('["http://a.example"]'); a bare comma-separated list is accepted too."""
-    text = raw.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a JSON list: {raw}") from None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise argparse.ArgumentTypeError(f"expected a JSON list of strings: {raw}")
-        return value
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-_json_list.__name__ = "JSON list"
 
 
 def _json_object(raw: str) -> dict:
@@ -111,8 +96,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=_env_names(env_default("served_model_name", None, str)),
                    help="model name(s) clients send and see; the first is the one reported and used as the "
                         "metrics' model_name, the others are aliases (default: the model argument)")
-    opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
-    flag("protect_metrics", "require the API key on /metrics too")
+    opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health (/metrics "
+        "included)")
+    g.add_argument("--protect-metrics", action="store_true", default=argparse.SUPPRESS,
+                   help="accepted for old command lines: with --api-key, /metrics always needs the key")
     opt("shutdown_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     opt("max_request_body_bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413")
     opt("log_requests", str, "off", "request logging: off | lifecycle | stages | full", choices=LOG_LEVELS)
@@ -142,18 +129,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=env_default("enable_sleep_mode", False, bool),
                    help="open /sleep?level=1|2, /wake_up and /is_sleeping (vLLM's flag)")
 
-    c = parser.add_argument_group("CORS (as vLLM)")
-    c.add_argument("--allowed-origins", type=_json_list,
-                   default=env_default("allowed_origins", ["*"], _json_list),
-                   help='allowed origins, JSON list (default ["*"])')
-    c.add_argument("--allowed-methods", type=_json_list,
-                   default=env_default("allowed_methods", ["*"], _json_list),
-                   help='allowed methods, JSON list (default ["*"])')
-    c.add_argument("--allowed-headers", type=_json_list,
-                   default=env_default("allowed_headers", ["*"], _json_list),
-                   help='allowed headers, JSON list (default ["*"])')
-    c.add_argument("--allow-credentials", action="store_true", default=env_default("allow_credentials", False, bool),
-                   help="allow credentials (cookies, Authorization) in cross-origin requests (default off)")
+    add_cors_args(parser)
+    add_connection_args(parser)
 
     v = parser.add_argument_group("vLLM server flags")
     v.add_argument("--response-role", default="assistant",
@@ -353,6 +330,16 @@ def _check_device(device: str) -> None:
             raise StartupError(f"--device {device}: no CUDA device is available (use --device cpu)")
 
 
+def _check_kv_trust(config: EngineConfig) -> None:
+    """A server in a prefill/decode pair needs a way to tell its router from any client (kv_transfer/trust.py)."""
+    kv = config.kv_transfer_config
+    if kv is None or kv.kv_secret or (not kv.is_producer and kv.kv_producers):
+        return
+    raise StartupError('a prefill/decode server takes kv_transfer_params only from its router: set "kv_secret" in '
+                       "--kv-transfer-config (or TOKENLOOM_KV_SECRET) and give `tokenloom router --pd` the same "
+                       '--kv-secret (a decode-only server may instead list its producers in "kv_producers")')
+
+
 def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSettings | None, socket.socket | None]:
     """Everything that can fail fast, before the model loads: options, model path, device, port.
     Returns (config, served model names, settings, socket)."""
@@ -375,6 +362,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
             raise StartupError(f"--{flag.replace('_', '-')} {path}: no such file")
+    _check_kv_trust(config)
     resolve_model_path(config.model.model)  # raises FileNotFoundError naming the path
     _check_device(config.model.device)
     if config.parallel.node_rank > 0:  # workers only: node 0 runs the engine and the API
@@ -382,10 +370,9 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
     apply_threads(args.threads)
     os.environ["TOKENLOOM_METRICS_PREFIX"] = args.metrics_prefix
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
-                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args),
+                              max_body_bytes=args.max_request_body_bytes, cors=CorsSettings.from_args(args),
+                              connections=ConnectionLimits.from_args(args), enable_ui=args.enable_ui,
+                              batch=BatchSettings.from_args(args),
                               enable_weight_updates=args.enable_weight_updates or vllm_dev_mode(),
                               enable_sleep_mode=args.enable_sleep_mode or vllm_dev_mode())
     try:
@@ -444,8 +431,8 @@ async def serve(args: argparse.Namespace) -> int:
     scheme = "https" if args.ssl_certfile else "http"
     uv_config = uvicorn.Config(app, log_level=(args.uvicorn_log_level or args.log_level).lower(),
                                access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="off",
-                               timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                               root_path=args.root_path)
+                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                               **settings.connections.uvicorn_options())
     server = _Server(uv_config, engine, state, args.shutdown_timeout)
     server.loop = asyncio.get_running_loop()
     engine.on_engine_dead = lambda reason: _handle_engine_death(server, engine, args, reason)

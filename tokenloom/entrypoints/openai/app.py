@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, auth, body limits, CORS, error shapes.
+"""The FastAPI application: routes, auth, body limits, CORS (closed by default), error shapes.
 
 `build_app(engine, settings)` wires an already started `AsyncLLM` into a new app; the
 server process (api_server.py) runs it under uvicorn. /docs and /redoc load their
@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -25,6 +24,8 @@ from tokenloom.entrypoints.openai.batch.routes import register_batch_routes
 from tokenloom.entrypoints.openai.batch.settings import BatchSettings
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
+from tokenloom.entrypoints.openai.head_requests import HeadAsGetMiddleware
+from tokenloom.entrypoints.openai.kv_trust import KVTrustMiddleware
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +41,8 @@ from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, Ope
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.weight_routes import register_sleep_routes, register_weight_update_routes
 from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX, mount_ui
+from tokenloom.exposure.connections import ConnectionLimits
+from tokenloom.exposure.cors import CorsSettings, install_cors
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
 
@@ -48,14 +51,10 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
 class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)
     api_key: str | None = None
-    protect_metrics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     system_fingerprint: str | None = None
-    # CORS, with vLLM's defaults: any origin, method and header; no credentials.
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
+    cors: CorsSettings = field(default_factory=CorsSettings)  # none by default: no cross-origin access
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # timeouts and caps (uvicorn's side)
     enable_ui: bool = True  # the web page at / (--no-ui: off)
     batch: BatchSettings = field(default_factory=BatchSettings)  # /v1/files and /v1/batches
     # Serving inside a training loop (entrypoints/openai/weight_routes.py): off unless asked for.
@@ -64,15 +63,15 @@ class ServerSettings:
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check (constant-time compare) on every path but /health (and /metrics
-    unless protected) and, with the web page on, the page and its static files (they hold no
-    data; the page asks for the key and sends it with its API calls); answers 401 in the
-    OpenAI error shape."""
+    """Bearer-token check (constant-time compare) on every path but /health (/metrics included: its
+    series name the models, the load and the request mix) and, with the web page on, the page and its
+    static files (they hold no data; the page asks for the key and sends it with its API calls); answers
+    401 in the OpenAI error shape."""
 
-    def __init__(self, app, api_key: str, protect_metrics: bool = False, open_ui: bool = False) -> None:
+    def __init__(self, app, api_key: str, open_ui: bool = False) -> None:
         self.app = app
         self.key = api_key.encode()
-        self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+        self.open_paths = {"/health"}
         self.open_prefix = None
         if open_ui:
             self.open_paths |= PUBLIC_PATHS
@@ -116,17 +115,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.state.engine = engine
     app.state.server_state = state
     install_error_handlers(app)
+    app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state)
+    app.add_middleware(KVTrustMiddleware, config=engine.config.kv_transfer_config)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics,
-                           open_ui=settings.enable_ui)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_ui=settings.enable_ui)
     if engine.metrics is not None:  # http_requests_total, http_request_duration_seconds, ... as vLLM exposes
         Instrumentator(registry=engine.metrics.registry, excluded_handlers=["/metrics"]).instrument(app)
-    # Added last, so outermost: preflights are answered and every response (401s too) carries the headers.
-    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
-                       allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
-                       allow_credentials=settings.allow_credentials)
+    install_cors(app, settings.cors)  # last, so outermost
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenloom",

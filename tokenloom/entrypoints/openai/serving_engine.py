@@ -18,6 +18,7 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.admission import Arrival
 from tokenloom.entrypoints.openai.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from tokenloom.entrypoints.openai.formatting import random_id
+from tokenloom.entrypoints.openai.kv_trust import check_kv_transfer_params
 from tokenloom.entrypoints.openai.limits import check_request_limits, check_text
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenloom.entrypoints.openai.request_admission import admit_arrival, current_reservation, estimate_arrival
@@ -127,6 +128,7 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         default_max_tokens: int | None, best_of: int | None = None,
                         echo_logprobs: bool = False) -> SamplingParams:
+        check_kv_transfer_params(request.kv_transfer_params, self.engine.config.kv_transfer_config)
         return to_sampling_params(request, self.engine.default_sampling_params(), max_tokens=max_tokens,
                                   logprobs=logprobs, default_max_tokens=default_max_tokens, best_of=best_of,
                                   echo_logprobs=echo_logprobs)
