@@ -3,11 +3,12 @@
 A grammar often leaves one way on: the ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "``
 scaffold of a forced tool call, a JSON schema's property names and punctuation. Sampled under the
 bitmask, such a stretch costs an engine step per token, and a small model spells it in whatever pieces
-the mask allows: on SmolLM2-135M-Instruct (2026-12) a required call's scaffold took 40 tokens
-(``<``, ``t``, ``oo``, ``l``, ...) for text the tokenizer writes in 21, and at ``max_tokens`` 40 no call
-was complete. Here the stretch (xgrammar's `find_jump_forward_string`) becomes its canonical tokens: the
-scheduler appends them to the sequence after its sampled token, in one step, and the next step computes
-their KV like a prefill chunk before it samples again.
+the mask allows: on SmolLM2-135M-Instruct (2026-12, greedy) a required call's scaffold was unfinished
+after 40 tokens (``<``, ``t``, ``oo``, ``l``, ...) where the tokenizer writes it in 21. Here the stretch
+(xgrammar's `find_jump_forward_string`) becomes its canonical tokens: the scheduler appends them to the
+sequence after its sampled token, in one step, and the next step computes their KV like a prefill chunk
+before it samples again. Where the output starts with forced text, its first sample is restricted to the
+first canonical token (`scheduler.structured_step.next_token_bitmask`).
 
 Token boundary: the forced text is tokenized after the text of the sequence's last token (a tokenizer
 may write the start of a text differently, e.g. SentencePiece's leading space); its tokens are used when
@@ -35,7 +36,7 @@ def forced_text(state: StructuredState) -> str:
     m, t = state.matcher, state.thinking
     if state.failed or m is None or state.tokenizer is None or m.is_terminated():
         return ""
-    if t is not None and (t.phase != ANSWER or t.forced_token is not None):
+    if t is not None and t.phase != ANSWER:
         return ""
     return m.find_jump_forward_string()
 
