@@ -135,14 +135,16 @@ def test_draft_model_stop_string_and_structured_output(draft_pair):
 def test_draft_model_sampled_structured_output_is_valid_json(draft_pair):
     """Sampled drafts (rejection sampling) under a grammar: every output still parses and fits the schema. The
     draft samples without the grammar (it lives in the scheduler), so the prompt asks for text the model would
-    write anyway, or the grammar would drop most drafts before the forward."""
+    write anyway, or the grammar would drop most drafts before the forward. The schema has a free string: text
+    the grammar forces (keys, punctuation) is appended without drafting (jump-forward decoding)."""
     _, draft_on = draft_pair
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    chat = [{"role": "user", "content": 'Repeat this JSON: {"ok": true}'}]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 24}},
+              "required": ["ok", "note"], "additionalProperties": False}
+    chat = [{"role": "user", "content": 'Repeat this JSON: {"ok": true, "note": "all good, thank you"}'}]
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=48, structured_outputs={"json": schema})
     before = draft_on.engine.stats()["spec_num_drafts"]
     for o in draft_on.chat([chat] * 3, params, use_tqdm=False):
-        assert o.outputs[0].finish_reason == "stop"
-        assert isinstance(json.loads(o.outputs[0].text)["ok"], bool)
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        answer = json.loads(o.outputs[0].text)
+        assert isinstance(answer["ok"], bool) and isinstance(answer["note"], str)
     assert draft_on.engine.stats()["spec_num_drafts"] > before

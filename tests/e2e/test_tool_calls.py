@@ -1,6 +1,7 @@
 """Tool calls and JSON that finish: with the official `openai` client on the embedded
-model, greedy, max_tokens 60, each of a named, a required and an auto tool call and a json_object answer
-is complete and parseable, with OpenAI's finish_reason; streamed and whole answers agree.
+model, greedy, each of a named and a required tool call (max_tokens 40: the grammar's forced scaffold
+costs its canonical tokens, jump-forward decoding), an auto tool call and a json_object answer
+(max_tokens 60) is complete and parseable, with OpenAI's finish_reason; streamed and whole answers agree.
 
 The embedded model's chat template does not render tools, so for `auto` the conversation itself tells
 the model the functions and shows one call (what a user of such a model does); named and required
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -34,6 +36,7 @@ AUTO_CHAT = [
     {"role": "assistant", "content": '<tool_call>\n{"name": "get_time", "arguments": {"city": "Tokyo"}}\n</tool_call>'},
     *CHAT]
 MAX_TOKENS = 60
+FORCED_MAX_TOKENS = 40  # named and required calls (what LangChain's bind_tools and LiteLLM send)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +55,16 @@ def client(server):
 
 def create(client, server, **kw):
     kw.setdefault("messages", CHAT)
-    return client.chat.completions.create(model=server.model, temperature=0, max_tokens=MAX_TOKENS, **kw)
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat.completions.create(model=server.model, temperature=0, **kw)
 
 
 def streamed(client, server, **kw):
     """(content, [(name, arguments)], finish_reason) assembled from the stream's deltas."""
     content, calls, finish = "", {}, None
     kw.setdefault("messages", CHAT)
-    for chunk in client.chat.completions.create(model=server.model, temperature=0, max_tokens=MAX_TOKENS,
-                                                stream=True, **kw):
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    for chunk in client.chat.completions.create(model=server.model, temperature=0, stream=True, **kw):
         for c in chunk.choices:
             content += c.delta.content or ""
             for tc in c.delta.tool_calls or ():
@@ -85,38 +89,54 @@ def test_named_tool_call_is_complete_with_finish_stop(client, server):
     """The output is constrained to get_weather's arguments; the server writes the call around them.
     OpenAI answers a forced function with finish_reason "stop"."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = create(client, server, tools=TOOLS, tool_choice=named)
+    r = create(client, server, tools=TOOLS, tool_choice=named, max_tokens=FORCED_MAX_TOKENS)
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
     assert choice.message.content is None
     assert_valid_calls(choice.message.tool_calls, {"get_weather"})
     assert len(choice.message.tool_calls) == 1
-    assert r.usage.completion_tokens < MAX_TOKENS
-    content, calls, finish = streamed(client, server, tools=TOOLS, tool_choice=named)
+    assert r.usage.completion_tokens < FORCED_MAX_TOKENS
+    content, calls, finish = streamed(client, server, tools=TOOLS, tool_choice=named, max_tokens=FORCED_MAX_TOKENS)
     assert (content, finish) == ("", "stop")
     assert calls == [("get_weather", choice.message.tool_calls[0].function.arguments)]
 
 
 def test_required_tool_call_is_complete_with_finish_tool_calls(client, server):
-    r = create(client, server, tools=TOOLS, tool_choice="required")
+    r = create(client, server, tools=TOOLS, tool_choice="required", max_tokens=FORCED_MAX_TOKENS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert_valid_calls(choice.message.tool_calls)
-    assert r.usage.completion_tokens < MAX_TOKENS
-    content, calls, finish = streamed(client, server, tools=TOOLS, tool_choice="required")
+    assert r.usage.completion_tokens <= FORCED_MAX_TOKENS
+    content, calls, finish = streamed(client, server, tools=TOOLS, tool_choice="required",
+                                      max_tokens=FORCED_MAX_TOKENS)
     assert finish == "tool_calls"
     assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
 def test_required_without_parallel_calls_makes_exactly_one(client, server):
     r = create(client, server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-               extra_body={"return_token_ids": True, "skip_special_tokens": False})
+               max_tokens=FORCED_MAX_TOKENS, extra_body={"return_token_ids": True, "skip_special_tokens": False})
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert_valid_calls(choice.message.tool_calls)
     assert len(choice.message.tool_calls) == 1
     text = client.post("/../detokenize", body={"tokens": choice.model_extra["token_ids"]}, cast_to=object)["prompt"]
     assert text.count("<tool_call>") == 1, text  # the grammar ended after one call
+
+
+def test_a_required_calls_forced_scaffold_costs_its_canonical_tokens(client, server):
+    """With one function the grammar forces the call up to its first argument's value: the output's first
+    tokens are the tokenizer's own tokens of that text, and usage counts them as completion tokens."""
+    scaffold = '<tool_call>\n{"name": "get_time", "arguments": {"city": "'
+    r = create(client, server, tools=TOOLS[1:], tool_choice="required", max_tokens=FORCED_MAX_TOKENS,
+               extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    canonical = httpx.post(server.url + "/tokenize", json={"prompt": scaffold, "add_special_tokens": False},
+                           timeout=60).json()["tokens"]
+    token_ids = choice.model_extra["token_ids"]
+    assert token_ids[:len(canonical)] == canonical
+    assert r.usage.completion_tokens == len(token_ids)
 
 
 def test_auto_tool_call_is_complete(client, server):

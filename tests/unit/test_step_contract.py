@@ -48,7 +48,7 @@ class ForbidTokenMatcher:
 
 def forbidding(token: int) -> StructuredState:
     ready: Future = Future()
-    ready.set_result((None, None))
+    ready.set_result((None, None, None))
     state = StructuredState(ready, [])
     state._materialized, state.matcher = True, ForbidTokenMatcher(token)
     return state

@@ -25,8 +25,9 @@ from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
-from tokenloom.scheduler.structured_step import constrain_drafts, next_token_bitmask
+from tokenloom.scheduler.structured_step import constrain_drafts, forced_token_logprobs, next_token_bitmask
 from tokenloom.spec_decode.proposer import make_proposer
+from tokenloom.structured.jump_forward import forced_tokens
 
 
 class Scheduler:
@@ -209,7 +210,7 @@ class Scheduler:
                 if req.spec_bitmasks is not None:
                     out.spec_grammar_bitmask[req.key] = req.spec_bitmasks
             elif req.structured is not None and req.num_computed_tokens + n == req.num_tokens:  # it samples
-                row = next_token_bitmask(req.structured, self.vocab_size)
+                row = next_token_bitmask(req.structured, self.vocab_size, req.token_ids[-1])
                 if row is not None:
                     out.grammar_bitmask[req.key] = row
             if not req.sent_to_workers:
@@ -395,7 +396,31 @@ class Scheduler:
                 self._settle_drafts(r, drafts, len(sampled[0].token_ids) - 1)
             if self.lookahead and not r.is_finished:
                 self.worker_drafts[key] = result.draft_token_ids.get(key, [])
+            for seq in sequences:
+                if seq.structured is not None and not seq.is_finished:
+                    outputs.extend(self._jump_forward(seq, now, max_model_len))
         return outputs
+
+    def _jump_forward(self, r: Request, now: float, max_model_len: int) -> list[EngineCoreOutput]:
+        """Append the tokens r's grammar forces after its last sampled token (jump-forward decoding): output
+        tokens like sampled ones, emitted in this step's output, their KV computed by the next step as a
+        chunk before it samples. Within max_tokens and the context; drafts made before them are void."""
+        limit = max_model_len - r.num_tokens
+        if r.params.max_tokens is not None:
+            limit = min(limit, r.params.max_tokens - r.num_output_tokens)
+        tokens = forced_tokens(r.structured, r.token_ids[-1], limit)
+        if not tokens:
+            return []
+        self.worker_drafts.pop(r.key, None)
+        for i, token in enumerate(tokens):
+            self._advance(r, token, now, max_model_len)
+            if r.is_finished:
+                tokens = tokens[:i + 1]
+                break
+        k = r.params.logprobs
+        out = engine_output(r, tokens)
+        out.new_logprobs = [forced_token_logprobs(t, k) for t in tokens] if k is not None else None
+        return [out]
 
     def _background_loads_ended(self, loaded: list[str], failed: dict[str, str]) -> list[EngineCoreOutput]:
         """Requests whose KV arrived run from the next step on; a failed load follows the policy."""
@@ -446,10 +471,18 @@ class Scheduler:
 
     def _append(self, r: Request, token: int, logprobs, now: float, max_model_len: int) -> EngineCoreOutput:
         first = r.num_output_tokens == 0
+        self._advance(r, token, now, max_model_len)
+        out = engine_output(r, [token], logprobs)
+        if first and r.prompt_logprobs is not None and r.index == 0:
+            out.prompt_logprobs = r.prompt_logprobs
+        return out
+
+    def _advance(self, r: Request, token: int, now: float, max_model_len: int) -> None:
+        """Append one output token: the grammar accepts it, then the stop checks."""
+        if r.num_output_tokens == 0:
+            r.first_token_time = now
         r.token_ids.append(token)
         self.num_generation_tokens += 1
-        if first:
-            r.first_token_time = now
         params = r.params
         grammar_end = r.structured.accept(token) if r.structured is not None else None
         if token in r.stop_token_ids:
@@ -461,10 +494,6 @@ class Scheduler:
             self.finish(r, "length")
         elif r.num_tokens >= max_model_len:
             self.finish(r, "length")
-        out = engine_output(r, [token], logprobs)
-        if first and r.prompt_logprobs is not None and r.index == 0:
-            out.prompt_logprobs = r.prompt_logprobs
-        return out
 
 
 def engine_output(r: Request, tokens: list[int], logprobs=None) -> EngineCoreOutput:

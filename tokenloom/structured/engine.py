@@ -55,6 +55,6 @@ class StructuredEngine:
             def make_tracker():
                 return ThinkingTracker(b.tokenizer, markers[0], markers[1], prompt_ids, budget)
 
-            return compiled, (make_tracker if track else None)
+            return compiled, (make_tracker if track else None), b.tokenizer
 
         return StructuredState(self._pool.submit(ready), eos_token_ids)

@@ -20,23 +20,28 @@ from tokenloom.structured.thinking import ANSWER, REASONING, UNDECIDED, Thinking
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from tokenloom.tokenizer.tokenizer import Tokenizer
+
 logger = logging.getLogger("tokenloom.structured")
 
 
 class StructuredState:
     """One sequence's matcher and reasoning phase. `ready` yields (compiled grammar or None, tracker
-    factory or None)."""
+    factory or None, the tokenizer or None); the tokenizer writes the text a grammar forces as tokens
+    (`tokenloom.structured.jump_forward`), and without one nothing is forced."""
 
     def __init__(self, ready: Future, stop_token_ids: list[int]) -> None:
         self.ready = ready
         self.stop_token_ids = list(stop_token_ids)
         self.matcher: xgr.GrammarMatcher | None = None
         self.thinking: ThinkingTracker | None = None
+        self.tokenizer: Tokenizer | None = None
         self.failed: str | None = None
         self._materialized = False
 
     def fork(self) -> "StructuredState":
-        """A fresh state for a sibling sequence (forks happen before any output token)."""
+        """A fresh state for a sibling sequence (forks happen before any output token: a forced stretch is
+        appended after each sibling's first sampled token)."""
         return StructuredState(self.ready, self.stop_token_ids)
 
     def _materialize(self) -> None:
@@ -44,7 +49,7 @@ class StructuredState:
             return
         self._materialized = True
         try:
-            compiled, make_tracker = self.ready.result()
+            compiled, make_tracker, self.tokenizer = self.ready.result()
             if compiled is not None:
                 import xgrammar as xgr  # lazy: xgrammar imports torch (~2 s), for structured requests only
                 self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
