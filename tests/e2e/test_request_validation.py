@@ -115,6 +115,21 @@ RULES = [
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
     # D2: /tokenize has the same prompt limits as generation
     ("/tokenize", {"prompt": "word " * 500_000}, "prompt"),
+    # nothing silently ignored: a field that is neither OpenAI's, vLLM's nor an alias; one tokenloom lacks
+    (CH, {"messages": CHAT, "bogus_field": 1}, "bogus_field"),
+    (C, {"prompt": "hi", "bogus_field": 1}, "bogus_field"),
+    ("/v1/responses", {"input": "hi", "bogus_field": 1}, "bogus_field"),
+    (CH, {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
+    (CH, {"messages": CHAT, "web_search_options": {}}, "web_search_options"),
+    # strict types and OpenAI's seed range, from the schema
+    (C, {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    (CH, {"messages": CHAT, "stream": "false"}, "stream"),
+    (C, {"prompt": "hi", "seed": 2 ** 64 - 1}, "seed"),
+    # a lone surrogate in a key, known or not, anywhere
+    (C, b'{"prompt": "hi", "bo\\ud800gus": 1, "max_tokens": 2}', None),
+    (CH, b'{"messages": [{"role": "user", "content": "x", "n\\udc00": 1}], "max_tokens": 2}', "messages[0]"),
+    (CH, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"\\ud800": 1}}',
+     "chat_template_kwargs"),
 ]
 
 
@@ -204,3 +219,80 @@ def test_tokenize_at_the_size_limit_is_answered_and_health_stays_responsive(serv
     # Relative, with a floor for a loaded machine's scheduling noise.
     assert worst < max(1.0, 0.5 * phase), f"/health waited {worst:.2f} s of a {phase:.2f} s tokenize phase"
     wait_idle(server)
+
+
+# ---------------------------------------------------------------- other engines' spellings, clients' extras
+
+def test_llama_cpp_grammar_field_constrains_the_output(server):
+    r = post(server, C, {"prompt": "Is the sky blue?", "grammar": 'root ::= "yes" | "no"', "max_tokens": 5,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_llama_cpp_json_schema_field_constrains_the_output(server):
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    r = post(server, CH, {"messages": [{"role": "user", "content": "How old is Tom?"}], "json_schema": schema,
+                          "max_tokens": 40, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert isinstance(json.loads(choice["message"]["content"])["age"], int)
+
+
+def test_two_spellings_of_a_constraint_are_a_conflict(server):
+    assert_400(post(server, C, {"prompt": "hi", "grammar": 'root ::= "a"', "guided_regex": "b"}), "guided_regex")
+
+
+def test_fields_openai_clients_send_are_accepted(server):
+    r = post(server, CH, {"messages": CHAT, "max_completion_tokens": 2, "user": "u", "metadata": {"k": "v"},
+                          "store": False, "service_tier": "auto", "parallel_tool_calls": False,
+                          "modalities": ["text"], "reasoning_effort": "low", "verbosity": "low",
+                          "prediction": {"type": "content", "content": "hi"}, "prompt_cache_key": "k",
+                          "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- big hostile bodies
+
+HEALTH_P99_LIMIT_S = 0.1
+
+
+def _hostile_bodies() -> list[tuple[bytes, str]]:
+    """~15 MB each: a guided_json schema with 450k properties, chat_template_kwargs with 800k keys."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(450_000)}}
+    kwargs = {f"k{i}": i for i in range(800_000)}
+    return [(json.dumps({"messages": CHAT, "guided_json": schema}).encode(), "guided_json"),
+            (json.dumps({"messages": CHAT, "chat_template_kwargs": kwargs}).encode(), "chat_template_kwargs")]
+
+
+def test_health_answers_fast_while_big_hostile_bodies_are_refused(server):
+    bodies = _hostile_bodies()
+    answers: list[tuple[httpx.Response, str, float]] = []
+
+    def send_all():
+        for _ in range(2):
+            for body, field in bodies:
+                t0 = time.perf_counter()
+                answers.append((post(server, CH, body, timeout=120), field, time.perf_counter() - t0))
+
+    sender = threading.Thread(target=send_all)
+    latencies = []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        client.get("/health")
+        sender.start()
+        while sender.is_alive():
+            t0 = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+    sender.join()
+    for r, field, _ in answers:
+        assert_400(r, field, code="request_too_large")
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    refusals = ", ".join(f"{s:.2f}" for _, _, s in answers)
+    print(f"/health p99 {1e3 * p99:.0f} ms, max {1e3 * latencies[-1]:.0f} ms over {len(latencies)} probes; "
+          f"hostile bodies refused in {refusals} s")
+    assert len(latencies) >= 20
+    assert p99 < HEALTH_P99_LIMIT_S, f"/health p99 {p99:.3f} s while hostile bodies were refused"

@@ -9,6 +9,7 @@ from tokenloom.entrypoints.anthropic.protocol import MessagesRequest
 from tokenloom.entrypoints.openai.errors import validation_error_to_api_error
 from tokenloom.entrypoints.openai.protocol import (
     NOT_IMPLEMENTED,
+    NOT_SERVED,
     SEED_MAX,
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,11 +57,17 @@ def test_vllm_extras_are_accepted():
         "length_penalty": 1.0, "logits_processors": []})
 
 
-@pytest.mark.parametrize("name", sorted(n for n in NOT_IMPLEMENTED if n != "prompt_embeds"))
+@pytest.mark.parametrize("name", sorted(n for n in NOT_IMPLEMENTED if n != "prompt_embeds"))  # completions only
 def test_a_vllm_field_tokenloom_does_not_implement_is_a_400_unless_it_asks_for_nothing(name):
     value = {"x": 1} if NOT_IMPLEMENTED[name] is None else "other"
     err = _error(ChatCompletionRequest, {"messages": CHAT, name: value})
     assert err.param == name and "not supported" in err.message
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SERVED))
+def test_an_openai_field_for_what_is_not_served_is_a_400_even_when_empty(name):
+    err = _error(ChatCompletionRequest, {"messages": CHAT, name: {}})
+    assert err.param == name and "does not serve" in err.message
 
 
 def test_a_string_for_an_int_is_a_400_as_at_openai():

@@ -50,8 +50,12 @@ NOT_IMPLEMENTED: dict[str, JsonValue] = {
     "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None, "logits_processors": None,
     "vllm_xargs": None, "return_tokens_as_token_ids": False, "guided_whitespace_pattern": None,
     "mm_processor_kwargs": None, "media_io_kwargs": None, "prompt_embeds": None, "include_reasoning": True,
-    # OpenAI's: audio output, web search and the pre-tools function calling have no engine here.
-    "audio": None, "web_search_options": None, "functions": None, "function_call": None,
+}
+# OpenAI's fields for what no engine here serves: any value (an empty object asks for web search too) is a 400.
+NOT_SERVED: dict[str, str] = {
+    "audio": "audio output", "web_search_options": "web search",
+    "functions": "the pre-tools function calling (send tools)", "function_call": "the pre-tools function calling "
+    "(send tool_choice)",
 }
 
 
@@ -88,7 +92,7 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Optional[str] = Field(None, max_length=1024)
 
-    # ---- vLLM fields tokenloom does not implement (see NOT_IMPLEMENTED), and OpenAI's without an engine here
+    # ---- vLLM fields tokenloom does not implement (see NOT_IMPLEMENTED)
     use_beam_search: Optional[JsonValue] = None
     length_penalty: Optional[JsonValue] = None
     truncate_prompt_tokens: Optional[JsonValue] = None
@@ -146,6 +150,9 @@ class SamplingFields(OpenAIBaseModel):
             value = getattr(self, name, None)
             if value is not None and value != noop and value != [] and value != {}:
                 raise _field_error(name, f"{name} is not supported by tokenloom (accepted only as {json.dumps(noop)})")
+        for name, what in NOT_SERVED.items():
+            if getattr(self, name, None) is not None:
+                raise _field_error(name, f"{name}: tokenloom does not serve {what}")
         return self
 
     @field_validator("stop")
@@ -256,6 +263,7 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Optional[Literal["low", "medium", "high"]] = None
 
     # ---- vLLM's best_of has no chat form here (n samples are returned, not searched); the rest: NOT_IMPLEMENTED
+    # and NOT_SERVED
     best_of: Optional[Literal[1]] = None
     audio: Optional[JsonValue] = None
     web_search_options: Optional[JsonValue] = None
