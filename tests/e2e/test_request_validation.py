@@ -230,18 +230,8 @@ def test_llama_cpp_grammar_field_constrains_the_output(server):
     assert r.json()["choices"][0]["text"] in ("yes", "no")
 
 
-def test_llama_cpp_json_schema_field_constrains_the_output(server):
-    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
-    r = post(server, CH, {"messages": [{"role": "user", "content": "How old is Tom?"}], "json_schema": schema,
-                          "max_tokens": 40, "temperature": 0})
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "stop"
-    assert isinstance(json.loads(choice["message"]["content"])["age"], int)
-
-
 def test_two_spellings_of_a_constraint_are_a_conflict(server):
-    assert_400(post(server, C, {"prompt": "hi", "grammar": 'root ::= "a"', "guided_regex": "b"}), "guided_regex")
+    assert_400(post(server, C, {"prompt": "hi", "guided_regex": "b", "grammar": 'root ::= "a"'}), "grammar")
 
 
 def test_fields_openai_clients_send_are_accepted(server):
@@ -271,10 +261,9 @@ def test_health_answers_fast_while_big_hostile_bodies_are_refused(server):
     answers: list[tuple[httpx.Response, str, float]] = []
 
     def send_all():
-        for _ in range(2):
-            for body, field in bodies:
-                t0 = time.perf_counter()
-                answers.append((post(server, CH, body, timeout=120), field, time.perf_counter() - t0))
+        for body, field in bodies:
+            t0 = time.perf_counter()
+            answers.append((post(server, CH, body, timeout=120), field, time.perf_counter() - t0))
 
     sender = threading.Thread(target=send_all)
     latencies = []

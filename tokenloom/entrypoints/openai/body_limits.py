@@ -71,16 +71,16 @@ def check_body(body: bytes) -> Refusal | None:
     shape = measure(body)
     if shape.depth > MAX_JSON_DEPTH:
         return Refusal(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", None, "nesting_too_deep")
-    if shape.values > MAX_JSON_VALUES:
-        return Refusal(f"request body has {shape.values} JSON values; the limit is {MAX_JSON_VALUES}", None,
-                       "request_too_large")
     if shape.num_fields > MAX_MEASURED_FIELDS:
         return Refusal(f"request body has {shape.num_fields} top-level fields; the limit is {MAX_MEASURED_FIELDS}",
                        None, "request_too_large")
-    refusal = _field_refusal(shape)
-    if refusal is None and shape.lone_surrogate:
-        return _surrogate_refusal(body)
-    return refusal
+    refusal = _field_refusal(shape)  # first: a refusal that names the field
+    if refusal is not None:
+        return refusal
+    if shape.values > MAX_JSON_VALUES:
+        return Refusal(f"request body has {shape.values} JSON values; the limit is {MAX_JSON_VALUES}", None,
+                       "request_too_large")
+    return _surrogate_refusal(body) if shape.lone_surrogate else None
 
 
 def _field_refusal(shape: BodyShape) -> Refusal | None:
