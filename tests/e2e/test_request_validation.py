@@ -247,6 +247,9 @@ def test_fields_openai_clients_send_are_accepted(server):
 
 # ---------------------------------------------------------------- big hostile bodies
 
+# The goal: other clients' /health under 100 ms p99 while a hostile body is refused (it was 4.6 s when bodies
+# were parsed on the event loop). On top of it the machine's own noise, measured the same way just before:
+# on 2 cores shared by many jobs the OS alone delays a probe by tens of ms.
 HEALTH_P99_LIMIT_S = 0.1
 
 # Another client, in its own process (so its copying of 15 MB does not hold this process's GIL): it
@@ -300,4 +303,5 @@ def test_health_answers_fast_while_big_hostile_bodies_are_refused(server):
           f"(idle: p99 {1e3 * _p99(idle):.0f} ms); hostile bodies refused in "
           f"{', '.join(f'{a[3]:.2f}' for a in answers)} s")
     assert len(latencies) >= 20
-    assert p99 < HEALTH_P99_LIMIT_S, f"/health p99 {p99:.3f} s while hostile bodies were refused"
+    limit = HEALTH_P99_LIMIT_S + _p99(idle)
+    assert p99 < limit, f"/health p99 {p99:.3f} s (limit {limit:.3f} s) while hostile bodies were refused"
