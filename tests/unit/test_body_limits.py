@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 from tokenloom.entrypoints.openai.body_limits import (
+    FIELD_LIMITS,
     MAX_JSON_VALUES,
     MAX_SPEC_RAW_BYTES,
     MAX_TEMPLATE_KWARGS_KEYS,
+    OFF_LOOP_BYTES,
     check_body,
 )
 from tokenloom.entrypoints.openai.body_shape import MAX_MEASURED_FIELDS
@@ -86,3 +88,13 @@ def test_a_lone_surrogate_in_a_nested_key_names_the_object():
 
 def test_a_surrogate_pair_is_text():
     assert check_body(b'{"prompt": "\\ud83d\\ude00"}') is None
+
+
+def test_every_field_byte_limit_is_above_what_the_fast_path_skips():
+    assert all(limit.max_bytes > OFF_LOOP_BYTES for limit in FIELD_LIMITS.values())
+
+
+def test_a_small_body_near_the_key_limit_is_measured_not_waved_through():
+    kwargs = {f"k{i}": 0 for i in range(MAX_TEMPLATE_KWARGS_KEYS + 1)}  # ~3 KB: under OFF_LOOP_BYTES
+    refusal = check_body(_body(chat_template_kwargs=kwargs))
+    assert refusal is not None and refusal.param == "chat_template_kwargs"

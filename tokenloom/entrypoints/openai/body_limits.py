@@ -61,6 +61,10 @@ FIELD_LIMITS: dict[str, FieldLimit] = {
                                        max_keys=MAX_TEMPLATE_KWARGS_KEYS),
 }
 
+# What the fast path (`_plainly_within_limits`) compares counts with; it needs no byte check, as every
+# field's byte limit is above OFF_LOOP_BYTES (a unit test holds it so).
+_SMALLEST_COUNT_LIMIT = min(MAX_MEASURED_FIELDS, *(min(f.max_values, f.max_keys) for f in FIELD_LIMITS.values()))
+
 
 def check_body(body: bytes) -> Refusal | None:
     """Why this JSON body is refused before parsing, or None."""
@@ -68,6 +72,8 @@ def check_body(body: bytes) -> Refusal | None:
         body.decode("utf-8")
     except UnicodeDecodeError as e:
         return Refusal(f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_json")
+    if _plainly_within_limits(body):
+        return None
     shape = measure(body)
     if shape.depth > MAX_JSON_DEPTH:
         return Refusal(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", None, "nesting_too_deep")
@@ -81,6 +87,15 @@ def check_body(body: bytes) -> Refusal | None:
         return Refusal(f"request body has {shape.values} JSON values; the limit is {MAX_JSON_VALUES}", None,
                        "request_too_large")
     return _surrogate_refusal(body) if shape.lone_surrogate else None
+
+
+def _plainly_within_limits(body: bytes) -> bool:
+    """True when counting brackets, commas and colons (upper bounds of depth, values and keys) already shows
+    every limit met: most requests, which then skip the numpy passes (~1 ms of fixed cost on a small body)."""
+    if len(body) > OFF_LOOP_BYTES or b"\\ud" in body or b"\\uD" in body:
+        return False
+    opens = body.count(b"[") + body.count(b"{")
+    return opens <= MAX_JSON_DEPTH and opens + body.count(b",") + body.count(b":") < _SMALLEST_COUNT_LIMIT
 
 
 def _field_refusal(shape: BodyShape) -> Refusal | None:
