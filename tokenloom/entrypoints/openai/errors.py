@@ -154,8 +154,8 @@ def validation_error_to_api_error(errors: list[ErrorDetails]) -> APIError:
         return BadRequestError("request body must be a JSON object", code="invalid_json")
     param = _param_path(loc)
     if first.get("type") == "extra_forbidden":  # OpenAI's code and wording for a field it does not know
-        return BadRequestError(f"Unrecognized request argument supplied: {param} (not an OpenAI field, a vLLM "
-                               f"extra nor an alias this endpoint takes)", param=param, code="unknown_parameter")
+        return BadRequestError(f"Unrecognized request argument supplied: {param}", param=param,
+                               code="unknown_parameter")
     top = loc[1] if len(loc) > 1 and loc[0] == "body" else (loc[0] if loc else None)
     same_field = [e for e in errors if len(e.get("loc", ())) > 1 and e["loc"][1] == top] if top else []
     tags = []

@@ -149,10 +149,10 @@ class SamplingFields(OpenAIBaseModel):
         for name, noop in NOT_IMPLEMENTED.items():
             value = getattr(self, name, None)
             if value is not None and value != noop and value != [] and value != {}:
-                raise _field_error(name, f"{name} is not supported by tokenloom (accepted only as {json.dumps(noop)})")
+                raise _field_error(name, f"not supported by tokenloom (accepted only as {json.dumps(noop)})")
         for name, what in NOT_SERVED.items():
             if getattr(self, name, None) is not None:
-                raise _field_error(name, f"{name}: tokenloom does not serve {what}")
+                raise _field_error(name, f"tokenloom does not serve {what}")
         return self
 
     @field_validator("stop")
