@@ -251,6 +251,7 @@ def test_fields_openai_clients_send_are_accepted(server):
 # were parsed on the event loop). On top of it the machine's own noise, measured the same way just before:
 # on 2 cores shared by many jobs the OS alone delays a probe by tens of ms.
 HEALTH_P99_LIMIT_S = 0.1
+HEALTH_NOISE_CAP_S = 0.2  # however noisy the machine, /health may not wait 0.3 s
 
 # Another client, in its own process (so its copying of 15 MB does not hold this process's GIL): it
 # sends ~15 MB bodies, a guided_json schema with 450k properties and chat_template_kwargs with 800k keys,
@@ -303,5 +304,5 @@ def test_health_answers_fast_while_big_hostile_bodies_are_refused(server):
           f"(idle: p99 {1e3 * _p99(idle):.0f} ms); hostile bodies refused in "
           f"{', '.join(f'{a[3]:.2f}' for a in answers)} s")
     assert len(latencies) >= 20
-    limit = HEALTH_P99_LIMIT_S + _p99(idle)
+    limit = HEALTH_P99_LIMIT_S + min(_p99(idle), HEALTH_NOISE_CAP_S)
     assert p99 < limit, f"/health p99 {p99:.3f} s (limit {limit:.3f} s) while hostile bodies were refused"
