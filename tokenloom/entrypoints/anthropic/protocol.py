@@ -2,9 +2,10 @@
 
 Field names and shapes follow Anthropic's (`anthropic.types.MessageCreateParams`): content as a string
 or a list of blocks (`text`, `tool_use`, `tool_result`, `thinking`, `redacted_thinking`); other block
-types (images, documents) are refused by the block type, since the engine serves text models. Fields
-Anthropic's API has and a local engine cannot act on (`cache_control`, `citations`, `service_tier`,
-`container`...) are ignored, as unknown fields are on the OpenAI paths.
+types (images, documents) are refused by the block type, since the engine serves text models. Inside
+blocks, fields a local engine cannot act on (`cache_control`, `citations`) are ignored; at the top
+level an unknown field is a 400 naming it, as Anthropic's API answers (`container`, `mcp_servers`
+and the other server-side features among them), and `service_tier` is accepted (one tier here).
 """
 from __future__ import annotations
 
@@ -119,6 +120,9 @@ class Metadata(AnthropicModel):
 class MessagesCountRequest(AnthropicModel):
     """POST /v1/messages/count_tokens: what the prompt is made of (no sampling fields)."""
 
+    # As Anthropic's API: an unknown top-level field is a 400 naming it, and "5" is not an int.
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
     model: str = Field(..., min_length=1, max_length=1024)
     messages: list[Message] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     system: Optional[Union[str, list[TextBlock]]] = None
@@ -150,6 +154,7 @@ class MessagesRequest(MessagesCountRequest):
     top_k: Optional[int] = Field(None, ge=0)
     metadata: Optional[Metadata] = None
     stream: bool = False
+    service_tier: Optional[Literal["auto", "standard_only"]] = None  # one tier here: no effect
 
     @field_validator("stop_sequences")
     @classmethod

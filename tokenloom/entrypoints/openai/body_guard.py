@@ -1,6 +1,7 @@
 """The body guard (pure ASGI): malformed requests are answered before they reach FastAPI: a wrong content type
-(400), an oversized body (413), also for chunked uploads, a body that is not UTF-8 or is nested deeper than
-`limits.MAX_JSON_DEPTH` (400 `nesting_too_deep`).
+(400), an oversized body (413), also for chunked uploads, and a JSON body that breaks a limit checked before
+parsing (400, body_limits.py: not UTF-8, too deep, too many values, a field over its size, a lone surrogate).
+A body over `OFF_LOOP_BYTES` is checked in a worker thread, so the event loop keeps answering other clients.
 
 File uploads: a route that takes multipart/form-data names itself in ``app.state.multipart_limits``
 ({path: byte limit}, set by the route's own module); there such a body passes with that size limit and
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import json
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenloom.entrypoints.openai.body_limits import OFF_LOOP_BYTES, check_body
 from tokenloom.entrypoints.openai.errors import error_body
-from tokenloom.entrypoints.openai.limits import MAX_JSON_DEPTH, json_depth
 
 
 def _multipart_limit(scope: Scope) -> int | None:
@@ -77,13 +79,12 @@ class BodyGuardMiddleware:
         body = b"".join(chunks)
         if is_upload:  # the route parses it
             return await self.app(scope, self._replay(chunks, receive), send)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return await self._reject(send, 400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_json")
-        if json_depth(body) > MAX_JSON_DEPTH:
-            return await self._reject(send, 400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                                      "nesting_too_deep")
+        if len(body) > OFF_LOOP_BYTES:
+            refusal = await anyio.to_thread.run_sync(check_body, body)
+        else:
+            refusal = check_body(body)
+        if refusal is not None:
+            return await self._reject(send, 400, refusal.message, refusal.code, refusal.param)
         return await self.app(scope, self._replay(chunks, receive), send)
 
     @staticmethod
@@ -104,8 +105,8 @@ class BodyGuardMiddleware:
         return f"request body too large: the limit is {limit} bytes"
 
     @staticmethod
-    async def _reject(send: Send, status: int, message: str, code: str) -> None:
-        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    async def _reject(send: Send, status: int, message: str, code: str, param: str | None = None) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", param, code)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

@@ -156,6 +156,9 @@ def validation_error_to_api_error(errors: list[ErrorDetails]) -> APIError:
     if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return BadRequestError("request body must be a JSON object", code="invalid_json")
     param = _param_path(loc)
+    if first.get("type") == "extra_forbidden":  # OpenAI's code and wording for a field it does not know
+        return BadRequestError(f"Unrecognized request argument supplied: {param}", param=param,
+                               code="unknown_parameter")
     top = loc[1] if len(loc) > 1 and loc[0] == "body" else (loc[0] if loc else None)
     same_field = [e for e in errors if len(e.get("loc", ())) > 1 and e["loc"][1] == top] if top else []
     tags = []

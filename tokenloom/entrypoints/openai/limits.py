@@ -3,8 +3,9 @@
 Each limit answers 400 (413 for the body size, see body_guard.BodyGuardMiddleware) with a
 message giving the limit and `param` naming the field:
 
-* JSON nesting depth of the body (`MAX_JSON_DEPTH`), scanned on the raw bytes before
-  parsing (`json_depth`), so a deeply nested body never reaches a recursive parser;
+* JSON nesting depth of the body (`MAX_JSON_DEPTH`), measured on the raw bytes before
+  parsing (body_limits.py, with the other limits on the raw body), so a deeply nested body
+  never reaches a recursive parser;
 * structured-output specs (`response_format`, `structured_outputs`, `guided_*`, tool
   schemas): serialized size (`MAX_SCHEMA_BYTES`), grammar size (`MAX_GRAMMAR_CHARS`),
   choice lists, and regexes: length (`MAX_REGEX_CHARS`), syntax, and complexity: the
@@ -18,7 +19,7 @@ message giving the limit and `param` naming the field:
 Other limits live where their data is: message count, content parts, stop / logit_bias /
 token lists in protocol.py, `n`, logprobs, stop sequences, logit_bias and bad_words
 against the engine config in `SamplingParams.validate_limits`, the context length in
-the InputProcessor, the body size in the body guard.
+the InputProcessor, the body size in the body guard, the body's shape before parsing in body_limits.py.
 """
 from __future__ import annotations
 
@@ -41,30 +42,7 @@ MAX_CHOICES = 1024
 MAX_CHARS_PER_TOKEN = 64
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
-                      "guided_choice", "guided_decoding", "tools")
-_OPEN = frozenset(b"[{")
-
-
-# ------------------------------------------------------------------ raw body depth
-
-def json_depth(body: bytes) -> int:
-    """Deepest nesting of arrays/objects in a JSON text (brackets inside strings ignored), or,
-    when that is at most MAX_JSON_DEPTH, possibly a larger number that is still at most it.
-
-    Cheap: a body with fewer brackets than the limit is not scanned at all; otherwise
-    the strings are blanked by a regex and the depth is a cumulative sum (numpy)."""
-    opens = body.count(b"[") + body.count(b"{")
-    if opens <= MAX_JSON_DEPTH:
-        return opens
-    import numpy as np  # lazy: only a deeply bracketed body needs it
-
-    stripped = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', body)
-    brackets = stripped.translate(None, bytes(set(range(256)) - set(b"[]{}")))
-    if not brackets:
-        return 0
-    arr = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((arr == ord("[")) | (arr == ord("{")), 1, -1).astype(np.int32)
-    return int(np.cumsum(steps).max())
+                      "guided_choice", "structural_tag", "grammar", "json_schema", "tools")
 
 
 # ------------------------------------------------------------------ helpers
@@ -223,33 +201,43 @@ def check_request_limits(request: ChatCompletionRequest | CompletionRequest | To
 
 # ------------------------------------------------------------------ text encoding
 
-def _lone_surrogate_path(value: object, path: str) -> str | None:
-    """Path of the first string holding a lone UTF-16 surrogate (JSON allows "\\ud800"; UTF-8 cannot
-    encode it, so the tokenizer and the response writer would fail), or None. Iterative."""
-    stack = [(value, path)]
+def lone_surrogate(value: object) -> tuple[str | None, bool] | None:
+    """(path, whether it is a key) of the first string holding a lone UTF-16 surrogate, or None. JSON
+    allows "\\ud800"; UTF-8 cannot encode it, so the tokenizer and the response writer would fail.
+    Walks dicts, lists and request models (their extra fields too), keys included; iterative."""
+    stack: list[tuple[object, str]] = [(value, "")]
     while stack:
         v, p = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return p or None
+            if not _is_text(v):
+                return p or None, False
         elif isinstance(v, dict):
             for k, x in v.items():
-                stack.append((k, p))
+                if isinstance(k, str) and not _is_text(k):
+                    return p or None, True
                 stack.append((x, f"{p}.{k}" if p else str(k)))
         elif isinstance(v, (list, tuple)):
             stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
-        elif hasattr(v, "__pydantic_fields__"):
+        elif isinstance(v, BaseModel):
             fields = dict(v.__dict__)
-            fields.update(getattr(v, "__pydantic_extra__", None) or {})
-            stack.extend((x, f"{p}.{k}" if p else k) for k, x in fields.items())
+            fields.update(v.__pydantic_extra__ or {})
+            stack.append((fields, p))
     return None
 
 
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_text(request: BaseModel) -> None:
-    """400 naming the field when any string of the request is not valid Unicode text."""
-    bad = _lone_surrogate_path(request, "")
-    if bad is not None:
-        raise BadRequestError(f"{bad}: the string contains a lone UTF-16 surrogate (not valid Unicode text)",
-                              param=bad, code="invalid_value")
+    """400 naming the field when any string of the request, or any key, is not valid Unicode text."""
+    found = lone_surrogate(request)
+    if found is not None:
+        path, in_key = found
+        what = "a key" if in_key else "the string"
+        raise BadRequestError(f"{path or 'request'}: {what} contains a lone UTF-16 surrogate (not valid Unicode "
+                              f"text)", param=path, code="invalid_value")

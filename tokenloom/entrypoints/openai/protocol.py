@@ -1,14 +1,21 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with size limits.
 
 Field names follow OpenAI; the engine's extras (vLLM names) sit beside them in the
-same body. Ranges that do not depend on the engine are checked here, so a bad value
-fails with a 400 whose ``param`` names the field; limits set by the engine config
-(max n, max logprobs, stop list sizes...) are checked by `SamplingParams.validate_limits`.
+same body, with other engines' spellings as aliases (llama.cpp's ``grammar`` and
+``json_schema``). Nothing is silently ignored: a field that is neither OpenAI's, vLLM's
+nor an alias is a 400 naming it; a vLLM field tokenloom does not implement is accepted
+only with its no-op value (`NOT_IMPLEMENTED`); an OpenAI field without an effect here is
+one OpenAI documents as bookkeeping or a hint (metadata, store, service_tier...). Types are
+strict, as OpenAI's (``"max_tokens": "5"`` is a 400). Ranges that do not depend on the
+engine are checked here, so a bad value fails with a 400 whose ``param`` names the field;
+limits set by the engine config (max n, max logprobs, stop list sizes...) are checked by
+`SamplingParams.validate_limits`. The policy, field by field, is in docs/apis.md.
 
 Responses are built as plain dicts by the serving classes (see serving_*.py).
 """
 from __future__ import annotations
 
+import json
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
@@ -32,14 +39,36 @@ def _field_error(field: str, message: str):
         type=PydanticCustomError("value_error", message), loc=(field,), input=None)])
 
 
+# OpenAI's own metadata limits: 16 pairs.
+MAX_METADATA_PAIRS = 16
+# The int64 range of OpenAI's `seed`.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+# vLLM request fields tokenloom does not implement: accepted with the value that does nothing (an unset
+# field, an empty list or dict count as it too), any other value is a 400 naming the field.
+NOT_IMPLEMENTED: dict[str, JsonValue] = {
+    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None, "logits_processors": None,
+    "vllm_xargs": None, "return_tokens_as_token_ids": False, "guided_whitespace_pattern": None,
+    "mm_processor_kwargs": None, "media_io_kwargs": None, "prompt_embeds": None, "include_reasoning": True,
+}
+# OpenAI's fields for what no engine here serves: any value (an empty object asks for web search too) is a 400.
+NOT_SERVED: dict[str, str] = {
+    "audio": "audio output", "web_search_options": "web search",
+    "functions": "the pre-tools function calling (send tools)", "function_call": "the pre-tools function calling "
+    "(send tool_choice)",
+}
+
+
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored (as OpenAI-compatible servers do), never an error.
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # Unknown fields are a 400 naming them; "5" is not an int (OpenAI's rules).
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
+    # OpenAI's: random padding against length side channels; accepted, not sent (no effect on the content).
+    include_obfuscation: Optional[bool] = None
 
 
 TokenIds = list[int]
@@ -52,7 +81,7 @@ class SamplingFields(OpenAIBaseModel):
     model: Optional[str] = Field(None, max_length=1024)
     n: Optional[int] = Field(1, ge=1, le=1024)
     max_tokens: Optional[int] = Field(None, ge=1)
-    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopField = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -62,6 +91,17 @@ class SamplingFields(OpenAIBaseModel):
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Optional[str] = Field(None, max_length=1024)
+
+    # ---- vLLM fields tokenloom does not implement (see NOT_IMPLEMENTED)
+    use_beam_search: Optional[JsonValue] = None
+    length_penalty: Optional[JsonValue] = None
+    truncate_prompt_tokens: Optional[JsonValue] = None
+    logits_processors: Optional[JsonValue] = None
+    vllm_xargs: Optional[JsonValue] = None
+    return_tokens_as_token_ids: Optional[JsonValue] = None
+    guided_whitespace_pattern: Optional[JsonValue] = None
+    # vLLM's choice of grammar backend: tokenloom has one, which serves every request.
+    guided_decoding_backend: Optional[str] = Field(None, max_length=64)
 
     # ---- engine extras (vLLM names)
     top_k: Optional[int] = Field(None, ge=-1)
@@ -99,9 +139,23 @@ class SamplingFields(OpenAIBaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structural_tag: Optional[Union[str, dict[str, JsonValue]]] = None
+    # llama.cpp's spellings: `grammar` is guided_grammar (GBNF), `json_schema` is guided_json.
+    grammar: Optional[str] = None
+    json_schema: Optional[Union[str, dict[str, JsonValue]]] = None
     # With --reasoning-parser: end the reasoning after this many tokens.
     thinking_token_budget: Optional[int] = Field(None, ge=0)
     reasoning_max_tokens: Optional[int] = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check_not_implemented(self):
+        for name, noop in NOT_IMPLEMENTED.items():
+            value = getattr(self, name, None)
+            if value is not None and value != noop and value != [] and value != {}:
+                raise _field_error(name, f"not supported by tokenloom (accepted only as {json.dumps(noop)})")
+        for name, what in NOT_SERVED.items():
+            if getattr(self, name, None) is not None:
+                raise _field_error(name, f"tokenloom does not serve {what}")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -192,11 +246,37 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: Optional[str] = Field(None, max_length=256 * 1024)
     chat_template_kwargs: Optional[dict[str, JsonValue]] = None
 
-    # ---- accepted for the tools / reasoning issue (passed to the template only)
     tools: Optional[list[dict[str, JsonValue]]] = Field(None, max_length=1024)
     tool_choice: Optional[Union[str, dict[str, JsonValue]]] = None
     parallel_tool_calls: Optional[bool] = None
-    reasoning_effort: Optional[str] = None
+    # Passed to the chat template (as vLLM does), with vLLM's RAG `documents`.
+    reasoning_effort: Optional[str] = Field(None, max_length=64)
+    documents: Optional[list[dict[str, JsonValue]]] = Field(None, max_length=1024)
+    # OpenAI's output modalities: text only here (audio output is not served).
+    modalities: Optional[list[Literal["text"]]] = None
+
+    # ---- OpenAI's, without an effect on the output (bookkeeping and hints, as OpenAI documents them)
+    metadata: Optional[dict[str, str]] = Field(None, max_length=MAX_METADATA_PAIRS)
+    store: Optional[bool] = None
+    service_tier: Optional[str] = Field(None, max_length=64)
+    prompt_cache_key: Optional[str] = Field(None, max_length=1024)  # the prefix cache needs no key
+    safety_identifier: Optional[str] = Field(None, max_length=1024)
+    prediction: Optional[dict[str, JsonValue]] = None  # a speed hint for predicted outputs
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+    # ---- vLLM's best_of has no chat form here (n samples are returned, not searched); the rest: NOT_IMPLEMENTED
+    # and NOT_SERVED
+    best_of: Optional[Literal[1]] = None
+    audio: Optional[JsonValue] = None
+    web_search_options: Optional[JsonValue] = None
+    functions: Optional[JsonValue] = None
+    function_call: Optional[JsonValue] = None
+    include_reasoning: Optional[JsonValue] = None
+    mm_processor_kwargs: Optional[JsonValue] = None
+    media_io_kwargs: Optional[JsonValue] = None
+    # vLLM's: tokenize the chat template's text with the tokenizer's special tokens added (off: the template
+    # writes them).
+    add_special_tokens: Literal[False] = False
 
     # Cross-field checks sit on the later field so that the error names it.
     @field_validator("continue_final_message")
@@ -230,6 +310,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0)
     best_of: Optional[int] = Field(None, ge=1, le=1024)
+    # vLLM's: the prompt is tokenized with the tokenizer's special tokens (BOS...), as before.
+    add_special_tokens: Literal[True] = True
+    prompt_embeds: Optional[JsonValue] = None  # not implemented (see NOT_IMPLEMENTED)
 
     @field_validator("prompt")
     @classmethod

@@ -61,6 +61,10 @@ class OpenAIServingChat(OpenAIServing):
         if clash:
             raise BadRequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
                                   param="chat_template_kwargs", code="invalid_value")
+        for name in ("documents", "reasoning_effort"):  # vLLM's chat fields the template reads (not /tokenize's)
+            value = getattr(request, name, None)
+            if value is not None:
+                kwargs[name] = value
         try:
             if custom is not None and custom != self.tokenizer.chat_template:
                 tok = self.tokenizer

@@ -43,6 +43,8 @@ class EmbeddingRequest(OpenAIBaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
     user: Optional[str] = None
+    # vLLM's: inputs are tokenized with the tokenizer's special tokens (the only form served).
+    add_special_tokens: Literal[True] = True
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs as a list (400 when empty)."""

@@ -25,7 +25,8 @@ from tokenloom.structured.tool_parsers import ToolCall, get_tool_parser
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"))
+           ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"),
+           ("grammar", "grammar"), ("json_schema", "json"))  # the last two: llama.cpp's spellings
 
 
 def _bad(message: str, param: str | None) -> BadRequestError:
@@ -59,6 +60,10 @@ def _constraints(request: SamplingFields) -> list[tuple[str, JsonObject, str | N
     for field, key in _GUIDED:
         value = getattr(request, field, None)
         if value is not None:
+            if field == "json_schema" and isinstance(value, dict) and isinstance(value.get("schema"), dict) \
+                    and "name" in value:  # response_format's {"name", "schema"} sent at the top level
+                found.append((field, {key: value["schema"]}, "json_schema.schema"))
+                continue
             found.append((field, {key: value}, field))
     so = getattr(request, "structured_outputs", None)
     if so:

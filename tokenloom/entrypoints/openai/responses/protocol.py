@@ -176,6 +176,9 @@ class ReasoningConfig(_Model):
 # ------------------------------------------------------------------ the request
 
 class ResponsesRequest(_Model):
+    # OpenAI's rules: an unknown field is a 400 naming it, and "5" is not an int (items keep their extras).
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
     model: Optional[str] = Field(None, max_length=1024)
     input: Optional[Union[str, Annotated[list[dict[str, JsonValue]], Field(max_length=MAX_MESSAGES)]]] = None
     instructions: Optional[str] = None
@@ -194,6 +197,13 @@ class ResponsesRequest(_Model):
     metadata: Optional[dict[str, str]] = Field(None, max_length=MAX_METADATA_PAIRS)
     user: Optional[str] = Field(None, max_length=1024)
     truncation: Optional[Literal["auto", "disabled"]] = None
+    # OpenAI's, without an effect on the output (bookkeeping, hints, and extra output tokenloom has none of).
+    include: Optional[list[str]] = Field(None, max_length=64)
+    prompt_cache_key: Optional[str] = Field(None, max_length=1024)
+    safety_identifier: Optional[str] = Field(None, max_length=1024)
+    service_tier: Optional[str] = Field(None, max_length=64)
+    stream_options: Optional[dict[str, bool]] = Field(None, max_length=8)
+    max_tool_calls: Optional[int] = Field(None, ge=1)  # counts built-in tool calls: none run here
 
     @field_validator("input", mode="before")
     @classmethod
