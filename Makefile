@@ -14,8 +14,10 @@ setup-test:
 serve: setup
 	@.venv/bin/tokenloom serve $(MODEL) $(ARGS)
 
+# -rs prints every skip's reason; a skip outside tests/skip_policy.py's allow-list, or native kernels that did
+# not load on a machine that can build them (TOKENLOOM_KERNELS=off asks for none), fails the run.
 test: setup-test lint
-	.venv/bin/python -m pytest -q $(ARGS)
+	.venv/bin/python -m pytest -q -rs $(ARGS)
 
 # The layering contract (pyproject.toml [tool.importlinter]) and ruff: an upward import, a file circle or
 # an unused name fails before any test runs.
@@ -28,7 +30,7 @@ KERNEL_SENSITIVE ?= $(wildcard tests/unit/test_kernels_*.py) tests/unit/test_ggu
 	tests/unit/test_tensor_parallel.py tests/unit/test_reference_tiny.py \
 	tests/e2e/test_reference_embedded.py
 test-fallback: setup-test
-	TOKENLOOM_KERNELS=off .venv/bin/python -m pytest -q $(KERNEL_SENSITIVE) $(ARGS)
+	TOKENLOOM_KERNELS=off .venv/bin/python -m pytest -q -rs $(KERNEL_SENSITIVE) $(ARGS)
 
 soak: setup-test
 	.venv/bin/python -m pytest -q --run-slow -m slow $(ARGS)
