@@ -12,13 +12,17 @@ MODE=${1:-run}
 STAMP=.venv/.setup-$MODE
 HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 # The native kernels (tokenloom/kernels): built once per ISA, torch version and source hash, cached
-# (a cached build only loads). A failed build is no set-up failure: the engine runs its torch path.
+# (a cached build only loads). A failed build is no set-up failure: the engine runs its torch path (the tests,
+# though, stop on it where the kernels can build: tests/skip_policy.py).
 # Their own stamp: changed sources rebuild them without reinstalling anything.
 KSTAMP=.venv/.setup-kernels
 KHASH=$(cat tokenloom/kernels/csrc/* tokenloom/kernels/build.py 2>/dev/null | sha256sum | cut -c1-16)
 build_kernels() {
   if ! .venv/bin/python -m tokenloom.kernels.build >.venv/kernels-build.log 2>&1; then
     echo "setup: the native kernels did not build (log: .venv/kernels-build.log); the torch path runs" >&2
+    if [ "$MODE" = "test" ]; then
+      echo "setup: the tests will stop on it; TOKENLOOM_KERNELS=off tests the torch path alone" >&2
+    fi
   fi
   echo "$KHASH" >"$KSTAMP"
 }

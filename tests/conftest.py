@@ -9,7 +9,10 @@ import tempfile
 
 import helpers
 import pytest
+import skip_policy
 import torch
+
+from tokenloom import kernels
 
 # Test runs use their own cache directory (built tokenizers, converted weights): never the user's
 # ~/.cache/tokenloom, and never a stale entry from an earlier run. Servers the tests start inherit it.
@@ -128,6 +131,26 @@ def make_core(tiny_models):
             return EngineCore(EngineConfig.from_kwargs(model=folder, **engine_args), progress=False)
 
     return make
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(skip_policy.SkipBudget(), "tokenloom-skip-budget")
+
+
+def pytest_report_header(config):
+    return f"tokenloom native kernels: {kernels.status().describe()}"
+
+
+def pytest_sessionstart(session):
+    """Stop before any test when the native kernels should have loaded and did not (tests/skip_policy.py)."""
+    problem = skip_policy.kernels_problem()
+    if problem:
+        pytest.exit(problem, returncode=pytest.ExitCode.TESTS_FAILED)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("kernels"):
+        skip_policy.require_kernels()
 
 
 def pytest_addoption(parser):

@@ -66,6 +66,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`--enable-weight-updates --enable-sleep-mode`)", kind="external"),
     EnvVar("MAX_JOBS", "min(4, cores)", "parallel compile jobs of the native kernel build (read by "
            "`torch.utils.cpp_extension`; set when unset)", kind="external"),
+    EnvVar("CXX", "`c++`", "the C++ compiler of the native kernel build (read by `torch.utils.cpp_extension`); "
+           "the test suite expects the kernels wherever it names a compiler", kind="external"),
 )
 
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}

@@ -76,7 +76,7 @@ def test_missing_model_path_fails_in_one_line():
     assert_one_line_error(run_serve("/nonexistent/model.gguf"), "/nonexistent/model.gguf")
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="gpu: needs a machine without CUDA")
 def test_cuda_device_without_a_gpu_fails_in_one_line():
     assert_one_line_error(run_serve("--device", "cuda"), "--device cuda", "no CUDA device")
 

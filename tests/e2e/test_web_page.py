@@ -44,7 +44,7 @@ def server():
 @pytest.fixture(scope="module")
 def browser():
     if CHROMIUM is None:
-        pytest.skip("no chromium on PATH: run scripts/setup.sh test as root (apt-get install chromium)")
+        pytest.skip("browser: no chromium on PATH: run scripts/setup.sh test as root (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM)

@@ -35,7 +35,7 @@ def test_greedy_in_float32_on_cuda_equals_transformers(tiny_models):
 
 
 def test_flashinfer_backend_agrees_with_the_torch_backend(tiny_models):
-    pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    pytest.importorskip("flashinfer", reason="gpu: flashinfer-python is not installed")
     folder, _ = tiny_models("llama")
     reference = _greedy(folder, dtype="bfloat16", attention_backend="torch", enforce_eager=True)
     flashinfer = _greedy(folder, dtype="bfloat16", attention_backend="flashinfer", enforce_eager=True)
@@ -43,7 +43,7 @@ def test_flashinfer_backend_agrees_with_the_torch_backend(tiny_models):
 
 
 def test_cuda_graphs_replay_exactly_what_the_eager_forward_computes(tiny_models):
-    pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    pytest.importorskip("flashinfer", reason="gpu: flashinfer-python is not installed")
     folder, _ = tiny_models("llama")
     eager = _greedy(folder, dtype="bfloat16", attention_backend="flashinfer", enforce_eager=True)
     graphs = _greedy(folder, dtype="bfloat16", attention_backend="flashinfer", cuda_graph_sizes=[1, 2, 4, 8])

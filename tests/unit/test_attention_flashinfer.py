@@ -89,7 +89,7 @@ def test_auto_picks_flashinfer_only_on_cuda_without_windows():
 
 @pytest.mark.gpu
 def test_flashinfer_backend_matches_torch_backend_on_cuda():
-    pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    pytest.importorskip("flashinfer", reason="gpu: flashinfer-python is not installed")
     from tokenloom.model.layers.attention_flashinfer import FlashInferBackend
     spans, g = _mixed_step(seed=2)
     dev = torch.device("cuda")

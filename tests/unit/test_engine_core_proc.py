@@ -128,7 +128,7 @@ def _status_mib(pid, field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="platform: reads RSS from /proc")
 def test_engine_hands_freed_heap_back_once_idle_for_a_heartbeat_interval():
     """A step leaves 64 MiB of freed holes in malloc's heap (as activations do); once its request is done and
     nothing has arrived for a heartbeat interval, the engine process no longer holds them (heap_trim.py)."""

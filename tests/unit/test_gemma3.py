@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from skip_policy import require_kernels
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
@@ -172,10 +173,8 @@ def test_a_q8_0_tied_embedding_stays_in_its_blocks_as_the_output_head(tiny_gemma
     """The 270M file stores its 262,144 x 640 tied embedding as Q8_0: with the native kernels the engine
     multiplies the head by those blocks (the lookup reads them too) instead of a float32 copy (640 MiB read
     every decode step), with logits as the dequantized float32 model's (the exact path: summation order)."""
-    from tokenloom import kernels
     from tokenloom.model.layers.quantized_weight import QuantizedWeight
-    if not kernels.load():
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+    require_kernels()
     path = _write_gemma3_gguf(str(tmp_path / "tiny-gemma3-q8.gguf"), tiny_gemma_gguf[1], "Q8_0")
     core = _core(path, num_blocks=64)
     model = core.executor.worker.runner.model  # after the engine's set-up (matmul dtype, oneDNN prepacking)

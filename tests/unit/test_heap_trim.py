@@ -26,7 +26,7 @@ print(released, round(before - after), intact)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/status"),
-                    reason="glibc's malloc_trim; RSS from /proc")
+                    reason="platform: glibc's malloc_trim; RSS from /proc")
 def test_release_free_heap_returns_freed_holes_and_keeps_live_blocks():
     result = subprocess.run([sys.executable, "-c", FRAGMENT_THEN_TRIM], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from skip_policy import require_kernels
 from test_kernels_quant import _random_weight
 
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
@@ -47,7 +48,7 @@ def test_every_panel_tensor_moves_into_one_region():
     assert all(t.data_ptr() % 64 == 0 for t in tensors)
 
 
-@pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off on this machine")
+@pytest.mark.skipif(not _thp_available(), reason="huge pages: transparent huge pages are off on this machine")
 def test_the_region_is_backed_by_huge_pages():
     weights = _weights()
     move_panels_to_huge_pages(weights)
@@ -56,9 +57,7 @@ def test_the_region_is_backed_by_huge_pages():
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_moved_weights_multiply_bit_for_bit_as_before(int8):
-    from tokenloom import kernels
-    if not kernels.load():
-        pytest.skip("native kernels not loaded")
+    require_kernels()
     weights = _weights()
     for w in weights:
         w.activations_int8 = int8

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom import kernels
 from tokenloom.kernels.attention_ops import paged_attention_decode_reference, write_kv_cache_reference
 from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend
 from tokenloom.model.layers.attention_native import NativeAttention, NativeAttentionBackend
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not kernels.enabled(), reason="native kernels not loaded (TOKENLOOM_KERNELS=off?)")]
+pytestmark = pytest.mark.kernels
 
 BLOCK = 16
 

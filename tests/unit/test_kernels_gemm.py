@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from skip_policy import require_kernels
 from test_kernels_quant import A8_TOL, EXACT_TOL, FORMATS, _random_weight, _rel
 
 from tokenloom.kernels.quant import interleave, panel_rows, quant_matmul_a8_reference, quant_matmul_reference, unpacked
@@ -17,9 +18,7 @@ COLUMNS = 37  # not a multiple of the 16-column panel nor of the 32-column tile
 
 
 def _ops():
-    from tokenloom import kernels
-    if not kernels.load():
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+    require_kernels()
     from tokenloom.kernels import quant
     return quant
 

@@ -6,11 +6,9 @@ import helpers
 import pytest
 import torch
 
-from tokenloom import kernels
 from tokenloom.kernels import layer_ops
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not kernels.enabled(), reason="native kernels not loaded (TOKENLOOM_KERNELS=off?)")]
+pytestmark = pytest.mark.kernels
 
 OPCHECK = ("test_schema", "test_faketensor")
 

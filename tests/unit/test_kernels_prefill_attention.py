@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom import kernels
 from tokenloom.kernels.prefill_attention_ops import paged_attention_prefill_reference
 from tokenloom.model.layers.attention_backend import ScheduledSpan
 from tokenloom.model.layers.attention_native import NativeAttentionBackend
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not kernels.enabled(), reason="native kernels not loaded (TOKENLOOM_KERNELS=off?)")]
+pytestmark = pytest.mark.kernels
 
 BLOCK = 16
 

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from skip_policy import require_kernels
 
 from tokenloom.kernels import cpu_features
 from tokenloom.model.layers.quantized_weight import QuantizedSlot, QuantizedWeight, cat_rows
@@ -25,9 +26,7 @@ FORMATS = [(4, 32), (8, 32), (8, 16)]  # (bits, block): Q4_0/Q4_1/Q4_K; Q8_0/Q5_
 
 
 def _native():
-    from tokenloom import kernels
-    if not kernels.load():
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+    require_kernels()
     from tokenloom.kernels import quant
     return quant
 
@@ -200,7 +199,7 @@ def test_a_dense_piece_makes_the_weight_dense():
 @pytest.mark.kernels
 @pytest.mark.slow
 @pytest.mark.skipif("avx2" not in cpu_features.supported_isas() or cpu_features.best_isa() == "avx2",
-                    reason="the AVX2 build is the default here (or this CPU has no AVX2)")
+                    reason="kernels: the AVX2 build is the default here (or this CPU has no AVX2)")
 def test_the_avx2_build_matches_the_references_too(tmp_path):
     """The AVX2 build (maddubs instead of vpdpbusd, 8-lane FMAs; the interleaved kernels read one 16-column
     panel as two 8-lane vectors) in a process of its own: both builds register the same op names, so one

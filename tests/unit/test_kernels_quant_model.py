@@ -24,9 +24,6 @@ PROMPTS = [[1, 504, 3458, 314, 4649, 282], [28, 1345, 6321, 30, 9900, 17, 44, 5,
 
 @pytest.fixture(scope="module")
 def quantized(embedded_path):
-    from tokenloom import kernels
-    if not kernels.load():
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
     from tokenloom.model.loader import load_model
     return load_model(embedded_path, torch.float32, torch.device("cpu"), progress=False, quantized=True)
 

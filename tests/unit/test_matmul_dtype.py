@@ -54,7 +54,7 @@ def test_bfloat16_matmuls_keep_logits_close_to_float32(tiny_models, kind):
 def test_float32_counts_as_native_everywhere_and_reduced_precision_follows_the_cpu_flags():
     assert native_cpu_matmul(torch.float32)
     if not os.path.exists("/proc/cpuinfo"):
-        pytest.skip("no /proc/cpuinfo on this OS")
+        pytest.skip("platform: no /proc/cpuinfo on this OS")
     with open("/proc/cpuinfo") as f:
         flags = set(f.read().split())
     assert native_cpu_matmul(torch.bfloat16) == bool(flags & {"avx512_bf16", "amx_bf16"})

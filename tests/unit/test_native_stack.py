@@ -31,22 +31,13 @@ MISTRAL_WINDOW = 12  # shorter than most of TINY_PROMPTS, so the window changes 
 @pytest.fixture(scope="module")
 def quantized(embedded_loaded):
     """The session's load of the embedded model: its weights kept quantized when the kernels load."""
-    from tokenloom import kernels
     from tokenloom.model.layers.quantized_linear import quantized_weights
-    if not kernels.load() or not quantized_weights(embedded_loaded.model):
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
+    assert quantized_weights(embedded_loaded.model), "the kernels loaded but the weights were not kept quantized"
     return embedded_loaded
 
 
 @pytest.fixture(scope="module")
-def native_kernels():
-    from tokenloom import kernels
-    if not kernels.load():
-        pytest.skip("native kernels not loaded (TOKENLOOM_KERNELS=off, or no build for this CPU)")
-
-
-@pytest.fixture(scope="module")
-def tiny_quantized(native_kernels, tiny_models, tmp_path_factory):
+def tiny_quantized(tiny_models, tmp_path_factory):
     """``tiny_quantized(kind) -> model``: a tiny random model of `kind` loaded from a GGUF file of its
     weights, kept quantized (native kernels)."""
     from tokenloom.model.loader import load_model
@@ -285,7 +276,7 @@ def test_the_w4a8_path_matches_with_biases_and_qk_norms_too(kind, tiny_quantized
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_a_model_with_dense_weights_says_so(kind, native_kernels, make_core):
+def test_a_model_with_dense_weights_says_so(kind, make_core):
     """The tiny safetensors folders load dense: each architecture's spec names the reason."""
     runner = make_core(kind).executor.worker.runner
     reason = runner.model.native_stack_spec()
@@ -336,7 +327,7 @@ def test_tensor_parallel_models_say_so(tiny_quantized, monkeypatch):
     assert tiny_quantized("qwen3").native_stack_spec() == "tensor parallel"
 
 
-def test_a_mixture_of_experts_model_says_why(native_kernels, tiny_models):
+def test_a_mixture_of_experts_model_says_why(tiny_models):
     """Qwen3-MoE's layer 0 has experts (its layer 1 a dense MLP)."""
     from tokenloom.model.loader import load_model
     model = load_model(tiny_models("qwen3_moe")[0], torch.float32, torch.device("cpu"), progress=False).model

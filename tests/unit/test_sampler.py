@@ -475,7 +475,7 @@ def test_prompt_logprobs_with_k_zero_return_only_the_target():
 # ------------------------------------------------------------------ device
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: needs CUDA")
 def test_everything_stays_on_the_logits_device():
     logits = torch.randn(3, 100, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)

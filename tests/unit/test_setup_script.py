@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_license_is_an_spdx_string():
     """The table form (license = {text = ...}) makes setuptools >= 77 warn on every install."""
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib", reason="platform: Python 3.10 has no tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
     assert not any(c.startswith("License ::") for c in project.get("classifiers", []))
 
 
-@pytest.mark.skipif(not (ROOT / ".venv" / ".setup-test").exists(), reason="the venv was not made by setup.sh test")
+@pytest.mark.skipif(not (ROOT / ".venv" / ".setup-test").exists(), reason="venv: not made by setup.sh test")
 def test_setup_with_nothing_changed_is_a_silent_no_op():
     start = time.monotonic()
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "test"], capture_output=True, text=True,
