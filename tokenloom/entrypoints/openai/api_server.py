@@ -54,6 +54,8 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerShuttingDownError,
     ServerState,
 )
+from tokenloom.lora.adapter import LoRAAdapterError
+from tokenloom.lora.peft_loader import read_peft_spec
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -363,6 +365,11 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
     args.lora_module_list = parse_lora_modules(args.lora_modules)
     if args.lora_module_list and not config.lora.enable_lora:
         raise StartupError("--lora-modules needs --enable-lora")
+    for module in args.lora_module_list:  # the files, before the model loads (their shapes once it has)
+        try:
+            read_peft_spec(module.path)
+        except LoRAAdapterError as e:
+            raise StartupError(f"--lora-modules {module.name}: {e}") from None
     args.chat_template_text = read_chat_template(args.chat_template)
     if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
             os.path.join(args.generation_config, "generation_config.json")):
