@@ -76,7 +76,7 @@ def _add(core, rid: str, prompt: list[int], lora: LoRARequest | None, params=Non
     core.add_request(req)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])  # Qwen3: the mixed-batch test below
 def test_adapter_greedy_output_is_token_identical_to_transformers_with_peft(kind, make_core, gemma3, adapters,
                                                                             prompts, want):
     lora, reference = adapters(kind)

@@ -6,7 +6,7 @@ the tensors into a `LoRAAdapter`. Tensor names are PEFT's:
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`.
 
 Refused with one line, never half-served: per-module ranks or alphas (`rank_pattern`, `alpha_pattern`),
-trained biases, DoRA, extra trained modules (`modules_to_save`), targets other than the attention and MLP
+trained biases, DoRA, aLoRA, extra trained modules (`modules_to_save`), targets other than the attention and MLP
 projections, a missing or unreadable file.
 """
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _read_config(path: Path) -> dict:
     if peft_type != "LORA":
         raise LoRAAdapterError(f"{path}: peft_type {peft_type!r} is not LoRA")
     for key, why in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
-                     ("modules_to_save", "extra trained modules"), ("use_dora", "DoRA")):
+                     ("modules_to_save", "extra trained modules"), ("use_dora", "DoRA"),
+                     ("lora_bias", "LoRA biases"), ("alora_invocation_tokens", "activated LoRA (aLoRA)")):
         if config.get(key):
             raise LoRAAdapterError(f"{path}: {why} ({key}) are not supported")
     if config.get("bias", "none") != "none":
