@@ -212,3 +212,26 @@ def test_slot_buffers_hold_a_lower_rank_adapter_zero_padded(make_core, gemma3, a
     target = runner.lora.targets[(0, "q_proj")]
     assert torch.count_nonzero(target.a[0, 4:]) == 0 and torch.count_nonzero(target.b[0, 4:]) == 0
     assert torch.count_nonzero(target.a[0, :4]) > 0
+
+
+@pytest.mark.tp
+def test_tensor_parallel_adapter_output_equals_one_rank_and_peft(tiny_models, adapters, prompts, want):
+    """TP=2, two KV heads: q/k/v/gate/up hold their rows of B, o/down their columns of A, the deltas summed
+    by the all-reduce with the partial sums."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.core import EngineCore
+    lora, reference = adapters("llama_tied_gqa")
+    core = EngineCore(EngineConfig.from_kwargs(model=tiny_models("llama_tied_gqa")[0], dtype="float32", device="cpu",
+                                               log_stats_interval=0, kv_cache_memory=0.05, tensor_parallel_size=2,
+                                               enable_lora=True), progress=False)
+    try:
+        for i, prompt in enumerate(prompts):
+            _add(core, f"r{i}", prompt, lora)
+            _add(core, f"b{i}", prompt, None)
+        out = helpers.run_to_completion(core)
+    finally:
+        core.shutdown()
+    _, hf = tiny_models("llama_tied_gqa")
+    for i, prompt in enumerate(prompts):
+        assert out[(f"r{i}", 0)] == want(reference, prompt)
+        assert out[(f"b{i}", 0)] == want(hf, prompt)
