@@ -7,12 +7,16 @@ models' logit tolerance, test_reference_tiny.py).
 """
 from __future__ import annotations
 
+import shutil
+
 import helpers
 import pytest
 import torch
 
-from tokenloom.core.lora_request import LoRARequest
+from tokenloom.config import EngineConfig
+from tokenloom.core.lora_request import LoRARequest, LoRASlotLoad
 from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.engine.core import EngineCore
 from tokenloom.lora.adapter import LoRAAdapterError
 
 LOGPROB_TOL = 5e-5
@@ -63,8 +67,6 @@ def want():
 
 def _core(make_core, gemma3, kind: str, **engine_args):
     if kind == "gemma3":
-        from tokenloom.config import EngineConfig
-        from tokenloom.engine.core import EngineCore
         args = dict(device="cpu", dtype="float32", log_stats_interval=0, kv_cache_memory=0.05)
         return EngineCore(EngineConfig.from_kwargs(model=gemma3[0], **{**args, **engine_args}), progress=False)
     return make_core(kind, **engine_args)
@@ -177,7 +179,6 @@ def test_an_adapter_for_another_base_model_is_refused_naming_the_shape(make_core
 @pytest.mark.parametrize("damage", ["no_config", "no_weights", "truncated_weights", "not_json"])
 def test_missing_or_corrupt_adapter_files_are_refused_in_one_line(damage, make_core, gemma3, adapters, prompts,
                                                                   tmp_path):
-    import shutil
     lora, _ = adapters("llama")
     folder = tmp_path / "adapter"
     shutil.copytree(lora.lora_path, folder)
@@ -207,7 +208,6 @@ def test_slot_buffers_hold_a_lower_rank_adapter_zero_padded(make_core, gemma3, a
     lora, _ = adapters("llama", 6, r=4)
     core = _core(make_core, gemma3, "llama", enable_lora=True)
     runner = core.executor.worker.runner
-    from tokenloom.core.lora_request import LoRASlotLoad
     runner.lora.apply([LoRASlotLoad(slot=0, lora=lora)])
     target = runner.lora.targets[(0, "q_proj")]
     assert torch.count_nonzero(target.a[0, 4:]) == 0 and torch.count_nonzero(target.b[0, 4:]) == 0
@@ -218,8 +218,6 @@ def test_slot_buffers_hold_a_lower_rank_adapter_zero_padded(make_core, gemma3, a
 def test_tensor_parallel_adapter_output_equals_one_rank_and_peft(tiny_models, adapters, prompts, want):
     """TP=2, two KV heads: q/k/v/gate/up hold their rows of B, o/down their columns of A, the deltas summed
     by the all-reduce with the partial sums."""
-    from tokenloom.config import EngineConfig
-    from tokenloom.engine.core import EngineCore
     lora, reference = adapters("llama_tied_gqa")
     core = EngineCore(EngineConfig.from_kwargs(model=tiny_models("llama_tied_gqa")[0], dtype="float32", device="cpu",
                                                log_stats_interval=0, kv_cache_memory=0.05, tensor_parallel_size=2,
