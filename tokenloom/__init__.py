@@ -1,4 +1,5 @@
 """tokenloom: an LLM inference and serving engine on PyTorch."""
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -15,4 +16,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LogitsProcessor", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LoRARequest", "LogitsProcessor", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "__version__"]

@@ -34,7 +34,7 @@ _NULL = _Null()
 
 # Report rows: (section, parent). Children's time is part of their parent's.
 _LAYOUT = [("schedule", None), ("prepare_inputs", None), ("forward", None), ("attention", "forward"),
-           ("matmul", "forward"), ("sampling", None), ("update", None), ("detokenize", None)]
+           ("matmul", "forward"), ("lora", "forward"), ("sampling", None), ("update", None), ("detokenize", None)]
 
 
 class StepProfiler:
@@ -56,8 +56,8 @@ class StepProfiler:
         for name, parent in _LAYOUT:
             rows.append({"phase": name if parent is None else f"  {name}", "seconds": self.totals[name],
                          "share": self.totals[name] / total})
-            if name == "matmul":
-                other = self.totals["forward"] - self.totals["attention"] - self.totals["matmul"]
+            if name == "lora":
+                other = self.totals["forward"] - self.totals["attention"] - self.totals["matmul"] - self.totals["lora"]
                 rows.append({"phase": "  other", "seconds": other, "share": other / total})
         return rows
 

@@ -43,7 +43,7 @@ from tokenloom.worker.worker_info import WorkerInfo
 logger = logging.getLogger("tokenloom.engine")
 
 # EngineCore methods the frontend may call through UtilityCall.
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping",
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora",
                    # serving inside a training loop (tokenloom/engine/weight_updates.py)
                    "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
                    "destroy_weights_update_group", "pause_generation", "continue_generation", "sleep", "wake_up",

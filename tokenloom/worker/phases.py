@@ -22,12 +22,14 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.layers.attention_select import choose_attention_backend, make_attention_backend
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
 from tokenloom.model.loader.tensor_source import TensorSource
+from tokenloom.model.lora_slots import ModelLoRA, attach_lora
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
@@ -103,6 +105,7 @@ class LoadedWeights:
     target: LoadedModel
     draft: LoadedModel | None  # speculative method "draft_model"
     pooling: PoolingConfig | None  # an embedding engine's (tokenloom/model/pooler.py)
+    lora: ModelLoRA | None = None  # the LoRA slots on the target's layers (--enable-lora)
 
     @property
     def is_encoder(self) -> bool:
@@ -113,7 +116,12 @@ def load_weights(config: EngineConfig, plan: DevicePlan, progress: bool) -> Load
     loaded = load_target(config, plan, progress)
     pooling = pooling_for(config.model.runner, config.model.convert, loaded.model, loaded.path,
                           loaded.arch.hidden_size)
-    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling)
+    lora = None
+    if config.lora.enable_lora:  # before the memory is measured: the slots' buffers are part of the weights
+        lora = attach_lora(loaded.model, loaded.arch, config.lora.num_slots, config.lora.max_lora_rank, plan.device)
+        logger.info("LoRA: %d slots of rank %d on %d projections", config.lora.num_slots,
+                    config.lora.max_lora_rank, len(lora.targets))
+    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling, lora)
 
 
 def load_target(config: EngineConfig, plan: DevicePlan, progress: bool, model: str | None = None,
@@ -209,6 +217,10 @@ def build_runner(config: EngineConfig, plan: DevicePlan, weights: LoadedWeights,
     group = tp_group()
     connector = make_worker_connector(config, model, kv.caches, kv.block_size, group.rank, group.size)
     processors = build_logits_processors(config, plan.device) if group.rank == 0 else []
+    lora = None
+    if weights.lora is not None:
+        lora = LoRASlots(weights.lora.batch, weights.lora.targets, config.lora.max_lora_rank,
+                         config.lora.max_cpu_loras)
     return ModelRunner(model, kv.caches, kv.block_size, plan.device, attention, forward=forward, drafter=drafter,
                        pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None,
-                       logits_processors=processors)
+                       logits_processors=processors, lora=lora)

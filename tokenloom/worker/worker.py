@@ -122,6 +122,7 @@ class Worker:
         setup = self.setup
         arch = setup.arch
         hook = self.kv_hook
+        lora = self.weights.lora
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
                           vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
                           eos_token_ids=list(arch.eos_token_ids), device=str(setup.device),
@@ -132,7 +133,9 @@ class Worker:
                           warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window,
                           kv_connector=group_info(hook.connector) if hook is not None else None,
-                          weights_quantized=setup.weights_quantized, weights_bytes=setup.loaded.bytes)
+                          weights_quantized=setup.weights_quantized, weights_bytes=setup.loaded.bytes,
+                          lora_target_shapes=lora.target_shapes if lora is not None else {},
+                          num_layers=lora.num_layers if lora is not None else 0)
 
     # ---- steps ----------------------------------------------------------------------------------------------
     @property
@@ -146,12 +149,14 @@ class Worker:
     # ---- weights and memory, between steps (training loops) -----------------------------------------------
     def update_weights_from_path(self, path: str) -> None:
         """Serve the weights at `path` (same architecture and shapes); a refused update changes nothing."""
+        self._check_no_lora("weight updates")
         check_same_shapes(self.weights.target.arch, arch_at(path), path)
         self._swap_target(load_target(self.config, self.plan, progress=False, model=path))
         self.weights_path = path
 
     def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Serve `tensors` (every weight, named as in a Hugging Face checkpoint), loaded dense."""
+        self._check_no_lora("weight updates")
         source = TensorSource(self.weights.target.arch, tensors)
         try:
             loaded = load_target(self.config, self.plan, progress=False, model="tensors in memory", tensors=source)
@@ -186,6 +191,7 @@ class Worker:
 
     def sleep(self, level: int) -> None:
         """Give memory back while idle: level 1 drops the KV cache, level 2 the weights too."""
+        self._check_no_lora("sleep")
         self.runner = self.kv = self.setup = None
         if level >= 2:
             self.weights = None
@@ -199,6 +205,12 @@ class Worker:
                                         self.plan, progress=False)
         for name in ("allocate_kv_cache", "build_runner", "warm_up"):
             self.run_phase(name)
+
+    def _check_no_lora(self, what: str) -> None:
+        """The LoRA slots live on the model's layers and in the runner; rebuilding them under resident adapters
+        is not built yet."""
+        if self.weights is not None and self.weights.lora is not None:
+            raise WeightUpdateError(f"{what}: not available with --enable-lora yet; restart the server instead")
 
     def _swap_target(self, loaded: LoadedModel) -> None:
         plan, kv = self.plan, self.kv

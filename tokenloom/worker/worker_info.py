@@ -28,6 +28,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     kv_connector: KVWorkerInfo | None = None  # the worker half of a KV connector, when one is configured
     weights_quantized: bool = False  # GGUF blocks kept quantized for the native kernels (else dense)
     weights_bytes: int = 0  # the weights' memory as loaded (one rank's share)
+    # LoRA (--enable-lora): each target projection's unsharded (in, out), and the decoder's layer count, against
+    # which the EngineCore checks an adapter before any request uses it.
+    lora_target_shapes: dict[str, tuple[int, int]] = {}
+    num_layers: int = 0
 
     @property
     def full_length_requests(self) -> int:

@@ -30,6 +30,9 @@ from tokenloom.entrypoints.openai.server_state import ServerShuttingDownError
 
 logger = logging.getLogger("tokenloom.server")
 
+# How the engine names a LoRA adapter it refused for one request (tokenloom.lora.adapter.LoRAAdapterError).
+_LORA_ERROR = "LoRAAdapterError: "
+
 
 class APIError(Exception):
     status_code = 400
@@ -97,6 +100,8 @@ def engine_error_to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(str(exc), code="engine_unavailable", headers={"Retry-After": "10"})
     if isinstance(exc, DuplicateRequestIdError):
         return BadRequestError(str(exc), param="request_id", code="duplicate_request_id")
+    if isinstance(exc, RequestFailedError) and str(exc).startswith(_LORA_ERROR):  # the adapter's files changed
+        return BadRequestError(str(exc).removeprefix(_LORA_ERROR), param="model", code="invalid_lora_adapter")
     if isinstance(exc, RequestFailedError):
         return ServerError(f"the engine failed this request: {exc}", code="engine_error")
     if isinstance(exc, RequestTimeoutError):
