@@ -16,7 +16,7 @@ from tokenloom.model.huge_pages import move_panels_to_huge_pages
 from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
-from tokenloom.model.loader import weight_cache
+from tokenloom.model.loader import panel_cache, weight_cache
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
@@ -69,21 +69,25 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     path = resolve_model_path(model)
     if quantized is None:
         quantized = keeps_quantized(path, device, dtype)
+    tp = tp_group()
+    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized else None
+    if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
+        net = _empty_model(mapped.arch_config, dtype, device, attention)
+        if mapped.fill(net):
+            return _loaded(net, mapped.arch_config, path, start, quantized)
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
-    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
-    cls = model_class(arch.architecture)
-    with torch.device("meta"):
-        net = cls(arch, attention or standalone_attention_backend(device, dtype))
-    _materialize(net, device)
-    net = net.to(dtype)
-    _reset_buffers(net, device)
+    net = _empty_model(arch, dtype, device, attention)
     expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
     if quantized:
         quantized_linear.install_slots(net)
     gguf_loader = _gguf_loader()
-    fill_cache = isinstance(source, gguf_loader.GGUFModelFile) and tp_group().is_first  # one writer per entry
+    from_gguf = isinstance(source, gguf_loader.GGUFModelFile)
+    # A quantized model keeps its loaded form in the panel cache (one file per rank); the weight cache's
+    # entry of repacked blocks is for the models that file does not describe (mixtures of experts).
+    to_panels = from_gguf and quantized and arch.num_experts == 0
+    fill_cache = from_gguf and tp.is_first and not to_panels  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
@@ -91,7 +95,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     if not quantized:
         tensors = source.tensors(dtype)
-    elif isinstance(source, gguf_loader.GGUFModelFile):
+    elif from_gguf:
         tensors = source.tensors(dtype, quantized=True)
     else:
         tensors = weight_cache.unflatten_quantized(source.tensors(dtype))
@@ -110,9 +114,30 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
                                             f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
     if quantized:
         quantized_linear.finalize_quantized(net, dtype)
-        move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
+    if to_panels:
+        panel_cache.store(path, tp.rank, tp.size, arch, net)
     if fill_cache:
         weight_cache.store(path, cache_key, arch, loaded_tensors)
+    return _loaded(net, arch, path, start, quantized)
+
+
+def _empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                 attention: AttentionBackend | None) -> torch.nn.Module:
+    """The model's modules with uninitialized parameters and computed buffers, checked against the parallel
+    layout."""
+    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
+    cls = model_class(arch.architecture)
+    with torch.device("meta"):
+        net = cls(arch, attention or standalone_attention_backend(device, dtype))
+    _materialize(net, device)
+    net = net.to(dtype)
+    _reset_buffers(net, device)
+    return net
+
+
+def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, quantized: bool) -> LoadedModel:
+    if quantized:
+        move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
     net.eval()
     packed = quantized_linear.quantized_weights(net)
     params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)

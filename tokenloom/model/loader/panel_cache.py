@@ -1,0 +1,186 @@
+"""A quantized model's loaded form in one file that later starts memory-map instead of repacking.
+
+The native kernels cannot multiply GGUF blocks in the file's layout: every quantized weight is repacked
+once into the column-interleaved panels they read (tokenloom/kernels/quant.py `interleave`), which took
+most of a 1B model's load. This file holds exactly that loaded form (each weight's panels with their
+float16-compacted or float32 scales, and every other parameter), page-aligned, so a warm start maps it
+and hands the kernels views of the mapping: nothing is parsed, repacked or copied, the pages are the page
+cache's (shared by every process that maps the file), and the start touches no more memory than the
+weights. With huge pages on (tokenloom/model/huge_pages.py) the loader then copies the panels into one
+huge-page region once, for the faster decode step; `TOKENLOOM_HUGE_PAGES=off` keeps them in the mapping.
+
+The file lives next to the weight cache's entries (`$TOKENLOOM_CACHE_DIR/weights/<key>.panels`, counted
+in its size bound and listed by `tokenloom cache`); its key is the GGUF's content fingerprint, the
+tensor-parallel rank and size, and LAYOUT. Layout: 8-byte magic, u64 header length, the msgspec JSON
+header, then each tensor at a page-aligned offset.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+import torch
+from torch import nn
+
+from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.layers.quantized_linear import QUANTIZED, set_quantized_matmul
+from tokenloom.model.layers.quantized_weight import Panels, QuantizedWeight
+from tokenloom.model.loader import weight_cache
+
+LAYOUT = 1  # bump when the panel layout (kernels/quant.py interleave) or this file's format changes
+MAGIC = b"TLPANEL1"
+PAGE = 4096
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16,
+                                                       torch.float32, torch.int32, torch.int64)}
+
+
+class StoredTensor(msgspec.Struct, frozen=True):
+    dtype: str
+    shape: list[int]
+    offset: int  # from the start of the file, a multiple of PAGE
+
+
+class StoredWeight(msgspec.Struct, frozen=True):
+    """A module's quantized weight in panels; `alias` names the module whose weight it shares (a tied head)."""
+    module: str
+    bits: int = 0
+    block_size: int = 0
+    columns: int = 0
+    qpacked: StoredTensor | None = None
+    scales: StoredTensor | None = None
+    mins: StoredTensor | None = None
+    alias: str = ""
+
+
+class Header(msgspec.Struct, frozen=True):
+    arch: msgspec.Raw  # ArchConfig's fields as JSON (the dataclass's annotations are not all msgspec types)
+    weights: list[StoredWeight]
+    parameters: dict[str, StoredTensor]
+
+
+def entry_path(path: str, rank: int, world: int) -> Path:
+    raw = f"{weight_cache.fingerprint(path)}|panels|tp{rank}/{world}|{LAYOUT}"
+    return weight_cache.folder() / f"{hashlib.sha256(raw.encode()).hexdigest()[:32]}{weight_cache.PANELS}"
+
+
+def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module, QuantizedWeight]]:
+    return [(name, m, m.weight) for name, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+
+
+class _Writer:
+    def __init__(self, f):
+        self.f, self.offset = f, 0
+
+    def tensor(self, t: torch.Tensor) -> StoredTensor:
+        t = t.contiguous()
+        self.offset = (self.offset + PAGE - 1) // PAGE * PAGE
+        self.f.seek(self.offset)
+        self.f.write(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+        stored = StoredTensor(str(t.dtype).removeprefix("torch."), list(t.shape), self.offset)
+        self.offset += t.numel() * t.element_size()
+        return stored
+
+
+def store(path: str, rank: int, world: int, arch: ArchConfig, model: nn.Module) -> None:
+    """Write `model`'s loaded form (after finalize_quantized, before huge pages) atomically, then trim the
+    cache folder; a failure (read-only home, full disk) only costs the next start its repacking."""
+    if not weight_cache.enabled():
+        return
+    target = entry_path(path, rank, world)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            writer = _Writer(f)
+            writer.offset = 1 << 20  # the header's room; a larger header moves the data (below)
+            weights, seen = [], {}
+            for name, _, w in quantized_modules(model):
+                if id(w) in seen:
+                    weights.append(StoredWeight(name, alias=seen[id(w)]))
+                    continue
+                seen[id(w)] = name
+                p = w.interleaved().panels
+                weights.append(StoredWeight(name, w.bits, w.block_size, p.columns, writer.tensor(p.qpacked),
+                                            writer.tensor(p.scales), writer.tensor(p.mins)))
+            parameters = {name: writer.tensor(p.detach()) for name, p in model.named_parameters()}
+            header = msgspec.json.encode(Header(msgspec.Raw(json.dumps(asdict(arch)).encode()), weights, parameters))
+            if len(header) + 16 > 1 << 20:
+                raise OSError(f"panel cache header of {len(header)} bytes")
+            f.seek(0)
+            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+        os.replace(tmp, target)
+        with open(target.with_suffix(".json"), "w") as f:  # what `tokenloom cache` lists
+            json.dump({"source": os.path.abspath(path), "dtype": f"quantized panels, tp {rank}/{world}"}, f)
+        weight_cache.trim(keep=target.with_suffix(""))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+class MappedPanels:
+    """A cache hit: the header, and tensors that are views of the file's private (copy-on-write) mapping."""
+
+    def __init__(self, target: Path):
+        with open(target, "rb") as f:
+            if f.read(8) != MAGIC:
+                raise ValueError(f"{target}: not a panel cache file")
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = msgspec.json.decode(f.read(length), type=Header)
+            # Copy-on-write: torch.frombuffer wants a writable buffer; the pages stay the page cache's.
+            self.map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.arch_config = ArchConfig(**json.loads(bytes(self.header.arch)))
+        self.bytes = os.path.getsize(target)
+
+    @staticmethod
+    def lookup(path: str, rank: int, world: int) -> "MappedPanels | None":
+        target = entry_path(path, rank, world)
+        if not weight_cache.enabled() or not target.is_file():
+            return None
+        try:
+            hit = MappedPanels(target)
+        except (OSError, ValueError, TypeError, msgspec.DecodeError):
+            return None
+        os.utime(target)  # its place in the folder's least-recently-used order
+        return hit
+
+    def tensor(self, stored: StoredTensor) -> torch.Tensor:
+        dtype = _DTYPES[stored.dtype]
+        count = 1
+        for d in stored.shape:
+            count *= d
+        if count == 0:
+            return torch.empty(stored.shape, dtype=dtype)
+        return torch.frombuffer(self.map, dtype=dtype, count=count, offset=stored.offset).view(stored.shape)
+
+    def fill(self, model: nn.Module) -> bool:
+        """Put every weight and parameter of the file into `model` (its slots not installed); False when the
+        file does not describe this model (then nothing usable was changed: the caller loads the GGUF)."""
+        weights = {w.module: w for w in self.header.weights}
+        names = {name for name, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                 and name in weights}
+        params = dict(model.named_parameters())
+        if len(names) != len(weights) or set(params) - {f"{n}.weight" for n in names} - set(self.header.parameters):
+            return False
+        modules = dict(model.named_modules())
+        built: dict[str, QuantizedWeight] = {}
+        for w in self.header.weights:
+            if not w.alias:
+                built[w.module] = QuantizedWeight(None, None, None, w.bits, w.block_size, panels=Panels(
+                    self.tensor(w.qpacked), self.tensor(w.scales), self.tensor(w.mins), w.columns))
+        for name, p in params.items():
+            if name in self.header.parameters:
+                p.data.copy_(self.tensor(self.header.parameters[name]))
+        for w in self.header.weights:
+            module = modules[w.module]
+            del module._parameters["weight"]
+            module.weight = built[w.alias or w.module]
+            if hasattr(module, "method"):
+                module.method = QUANTIZED
+        set_quantized_matmul(model, "exact")
+        return True
