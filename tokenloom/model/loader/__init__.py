@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
 from tokenloom.model.loader import panel_cache, weight_cache
+from tokenloom.model.loader.memory_fit import check_fits
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
@@ -49,8 +51,11 @@ def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
 
 
 def read_arch_config(model: str | None) -> ArchConfig:
-    """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it)."""
-    return open_model_source(resolve_model_path(model), torch.float32).arch_config
+    """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it;
+    a model larger than memory is refused here, before any process loads it)."""
+    path = resolve_model_path(model)
+    check_fits(path)
+    return open_model_source(path, torch.float32).arch_config
 
 
 def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -67,6 +72,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
+    check_fits(path)
     if quantized is None:
         quantized = keeps_quantized(path, device, dtype)
     tp = tp_group()
@@ -74,7 +80,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
         net = _empty_model(mapped.arch_config, dtype, device, attention)
         if mapped.fill(net):
-            return _loaded(net, mapped.arch_config, path, start, quantized)
+            return _loaded(net, mapped.arch_config, path, start, quantized, release=mapped.release)
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
     arch = source.arch_config
@@ -135,9 +141,10 @@ def _empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     return net
 
 
-def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, quantized: bool) -> LoadedModel:
+def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, quantized: bool,
+            release: Callable[[torch.Tensor], None] | None = None) -> LoadedModel:
     if quantized:
-        move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
+        move_panels_to_huge_pages(quantized_linear.quantized_weights(net), release)
     net.eval()
     packed = quantized_linear.quantized_weights(net)
     params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)

@@ -16,6 +16,7 @@ header, then each tensor at a page-aligned offset.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -157,6 +158,15 @@ class MappedPanels:
         if count == 0:
             return torch.empty(stored.shape, dtype=dtype)
         return torch.frombuffer(self.map, dtype=dtype, count=count, offset=stored.offset).view(stored.shape)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Drop this process's pages of a tensor of the mapping once it has been copied elsewhere (huge
+        pages): the warm start's peak then stays at one copy of the weights. The page cache keeps them."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        start = (t.data_ptr() - base) // PAGE * PAGE
+        end = t.data_ptr() - base + t.numel() * t.element_size()
+        if 0 <= start < end <= len(self.map):
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def fill(self, model: nn.Module) -> bool:
         """Put every weight and parameter of the file into `model` (its slots not installed); False when the
