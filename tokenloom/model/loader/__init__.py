@@ -13,6 +13,7 @@ from tokenloom import kernels
 from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.huge_pages import enabled as huge_pages_enabled
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
 from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
@@ -80,6 +81,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
         net = _empty_model(mapped.arch_config, dtype, device, attention)
         if mapped.fill(net):
+            if huge_pages_enabled() and mapped.on_huge_pages():  # already on huge pages: nothing to move
+                return _loaded(net, mapped.arch_config, path, start, move_to_huge_pages=False)
             return _loaded(net, mapped.arch_config, path, start, quantized, release=mapped.release)
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     source = open_model_source(path, dtype, quantized)  # a quantized model's cache entry holds the repacked blocks
@@ -141,9 +144,9 @@ def _empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     return net
 
 
-def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, quantized: bool,
+def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, move_to_huge_pages: bool,
             release: Callable[[torch.Tensor], None] | None = None) -> LoadedModel:
-    if quantized:
+    if move_to_huge_pages:
         move_panels_to_huge_pages(quantized_linear.quantized_weights(net), release)
     net.eval()
     packed = quantized_linear.quantized_weights(net)
