@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,9 +29,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_decode)
 
 
-def decode_step_ms(core: EngineCore, batch: int, context: int, steps: int) -> float:
-    """Median wall time of a pure decode step with `batch` sequences of `context` random prompt tokens (their
-    prefill run first, and the requests finished after)."""
+def decode_step_ms(core: EngineCore, batch: int, context: int, steps: int,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time (on `clock`: wall time by default) of a pure decode step with `batch` sequences of `context`
+    random prompt tokens (their prefill run first, and the requests finished after)."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     prompts = torch.randint(100, core.info.vocab_size - 100, (batch, context)).tolist()
     for i, prompt in enumerate(prompts):
@@ -40,9 +42,9 @@ def decode_step_ms(core: EngineCore, batch: int, context: int, steps: int) -> fl
         core.step()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         core.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     while core.has_unfinished_requests():
         core.step()
     return 1e3 * sorted(times)[len(times) // 2]
