@@ -5,6 +5,8 @@
 #
 #   LLAMA_BIN=/path/to/llama.cpp/build/bin scripts/load_vs_llamacpp.sh MODEL.gguf [tokenloom serve flags...]
 #
+# Without LLAMA_BIN only tokenloom starts.
+#
 # Memory: RSS and PSS (MiB) of llama-server and of tokenloom's engine process (the API process apart),
 # from /proc/PID/smaps_rollup; PSS shares a mapped file's pages among the processes mapping it.
 # COLD=1 drops the model's pages (the GGUF, and tokenloom's panel cache files) from the page cache
@@ -15,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 TL=("$PY" -m tokenloom.entrypoints.cli)
-: "${LLAMA_BIN:?set LLAMA_BIN to the folder holding llama-server}"
+LLAMA_BIN="${LLAMA_BIN:-}"  # unset: tokenloom alone
 MODEL="$1"; shift
 TL_ARGS=("$@")
 OUT="${OUT:-load-vs-llamacpp}"
@@ -65,6 +67,7 @@ start() {  # name: starts the server, waits for /health, prints "seconds rss pss
   printf "%-7s %-10s %8s %8s %8s   %s\n" round server seconds rss pss "(tokenloom: engine; API process rss pss)"
   for round in $(seq "$ROUNDS"); do
     order=(llama tokenloom); [ $((round % 2)) = 0 ] && order=(tokenloom llama)
+    [ -z "$LLAMA_BIN" ] && order=(tokenloom)
     for name in "${order[@]}"; do
       read -r s r p ar ap <<< "$(start "$name")"
       printf "%-7s %-10s %8s %8s %8s   %s\n" "$round" "$name" "$s" "$r" "$p" "$([ "$name" = tokenloom ] && echo "$ar $ap")"
