@@ -91,3 +91,12 @@ def test_the_cache_listing_counts_the_entry_and_trimming_removes_it(tiny):
     assert listed[0].dtype.startswith("quantized panels") and listed[0].source.endswith("tiny.gguf")
     wc.trim(limit=0)
     assert wc.entries() == [] and panel_cache.MappedPanels.lookup(tiny.path, 0, 1) is None
+
+
+def test_a_warm_start_makes_its_entry_the_most_recently_used(tiny, tmp_path):
+    _load(tiny.path)
+    other = build_tiny_llama(str(tmp_path / "other.gguf"), seed=1).path
+    _load(other)
+    assert wc.entries()[0].source.endswith("other.gguf")
+    _load(tiny.path)
+    assert wc.entries()[0].source.endswith("tiny.gguf")

@@ -151,7 +151,11 @@ class MappedPanels:
             hit = MappedPanels(target)
         except (OSError, ValueError, TypeError, msgspec.DecodeError):
             return None
-        os.utime(target)  # its place in the folder's least-recently-used order
+        for used in (target, target.with_suffix(".json")):  # its place in the folder's least-recently-used order
+            try:
+                os.utime(used)
+            except OSError:
+                pass
         return hit
 
     def tensor(self, stored: StoredTensor) -> torch.Tensor:
