@@ -24,6 +24,7 @@ import os
 import struct
 from dataclasses import asdict
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 import torch
@@ -37,6 +38,7 @@ from tokenloom.model.loader import weight_cache
 LAYOUT = 1  # bump when the panel layout (kernels/quant.py interleave) or this file's format changes
 MAGIC = b"TLPANEL1"
 PAGE = 4096
+HEADER_ROOM = 1 << 20  # before the first tensor; a 3B model's header takes 40 KiB
 # Below this share of the mapping on 2 MiB pages the loader copies the weights into anonymous huge pages:
 # on a 1B model's panels (1,204 MiB, one thread) a pass took 0.90x the time on huge pages as on 4 KiB ones.
 HUGE_IN_PLACE = 0.9
@@ -79,14 +81,14 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module, QuantizedW
 
 
 class _Writer:
-    def __init__(self, f):
-        self.f, self.offset = f, 0
+    def __init__(self, f: BinaryIO, offset: int):
+        self.f, self.offset = f, offset
 
     def tensor(self, t: torch.Tensor) -> StoredTensor:
         t = t.contiguous()
         self.offset = (self.offset + PAGE - 1) // PAGE * PAGE
         self.f.seek(self.offset)
-        self.f.write(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+        self.f.write(t.view(torch.uint8).reshape(-1).numpy().data)  # the tensor's own bytes, no copy
         stored = StoredTensor(str(t.dtype).removeprefix("torch."), list(t.shape), self.offset)
         self.offset += t.numel() * t.element_size()
         return stored
@@ -102,8 +104,7 @@ def store(path: str, rank: int, world: int, arch: ArchConfig, model: nn.Module) 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            writer = _Writer(f)
-            writer.offset = 1 << 20  # the header's room; a larger header moves the data (below)
+            writer = _Writer(f, HEADER_ROOM)
             weights, seen = [], {}
             for name, _, w in quantized_modules(model):
                 if id(w) in seen:
@@ -115,7 +116,7 @@ def store(path: str, rank: int, world: int, arch: ArchConfig, model: nn.Module) 
                                             writer.tensor(p.scales), writer.tensor(p.mins)))
             parameters = {name: writer.tensor(p.detach()) for name, p in model.named_parameters()}
             header = msgspec.json.encode(Header(msgspec.Raw(json.dumps(asdict(arch)).encode()), weights, parameters))
-            if len(header) + 16 > 1 << 20:
+            if len(header) + 16 > HEADER_ROOM:
                 raise OSError(f"panel cache header of {len(header)} bytes")
             f.seek(0)
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)
