@@ -13,8 +13,17 @@
 #
 # MODEL defaults to the embedded SmolLM2 GGUF. Results: bench-vs-llamacpp/*.json and summary.txt
 # (OUT=folder to change). llama.cpp is not a dependency of tokenloom: build it yourself (its README).
+#
+# MODELS="a.gguf b.gguf ..." runs the whole comparison once per model (MODEL then left out), each into
+# OUT/<model name>: e.g. the real-size files of scripts/shaped_gguf.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${MODELS:-}" ]; then
+  for model in $MODELS; do
+    MODELS="" OUT="${OUT:-bench-vs-llamacpp}/$(basename "$model" .gguf)" "$0" "$model" "$@"
+  done
+  exit 0
+fi
 PY=.venv/bin/python
 TL=.venv/bin/tokenloom
 : "${LLAMA_BIN:?set LLAMA_BIN to the folder holding llama-server and llama-bench}"

@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tokenloom.model.arch_config import UnsupportedModelError
-from tokenloom.model.loader import keeps_quantized, load_model, open_model_source
+from tokenloom.model.loader import load_model, open_model_source
 from tokenloom.model.loader.gguf_loader import CorruptModelError, GGUFModelFile
 from tokenloom.model.loader.weight_cache import CachedWeights
 
@@ -274,9 +274,11 @@ def test_loads_in_the_requested_dtype(tiny):
 # --- weight cache ---------------------------------------------------------------------------------------
 
 def test_weight_cache_round_trip_gives_identical_parameters(tiny, tmp_path, monkeypatch):
+    """The dense entry (the torch path's); a quantized model's loaded form round-trips in test_panel_cache.py."""
+    monkeypatch.setattr("tokenloom.model.loader.keeps_quantized", lambda *args: False)
     monkeypatch.setenv("TOKENLOOM_WEIGHT_CACHE", "1")
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
-    quantized = keeps_quantized(tiny.path, torch.device("cpu"), torch.float32)  # the native kernels' entry
+    quantized = False
     assert isinstance(open_model_source(tiny.path, torch.float32, quantized), GGUFModelFile)  # cold: nothing cached
 
     first = load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False)

@@ -1,4 +1,4 @@
-"""`tokenloom bench throughput|serve|decode|moe|collectives` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|roofline|moe|collectives` argument wiring."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import argparse
 from tokenloom.bench.collectives import add_collectives_args
 from tokenloom.bench.decode_step import add_decode_args
 from tokenloom.bench.moe_layer import add_moe_args
+from tokenloom.bench.roofline import add_roofline_args
 from tokenloom.config import add_engine_args
 
 try:
@@ -41,6 +42,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     add_decode_args(sub.add_parser("decode", help="time of one decode step at given batch sizes (any model, any "
                                                   "--tensor-parallel-size; no tokenizer needed)"))
+
+    add_roofline_args(sub.add_parser("roofline", help="a batch-1 decode step's bytes and time against the machine's "
+                                                     "memory bandwidth (STREAM-style triad, same threads)"))
 
     add_moe_args(sub.add_parser("moe", help="one mixture-of-experts layer: grouped experts against per-expert and "
                                             "per-token loops and a dense MLP of the same active size"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,28 +29,34 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_decode)
 
 
-def run_decode(ns) -> int:
+def decode_step_ms(core: EngineCore, batch: int, context: int, steps: int,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time (on `clock`: wall time by default) of a pure decode step with `batch` sequences of `context`
+    random prompt tokens (their prefill run first, and the requests finished after)."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    prompts = torch.randint(100, core.info.vocab_size - 100, (batch, context)).tolist()
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(request_id=f"b{batch}-{i}-{time.monotonic_ns()}", prompt_token_ids=prompt,
+                                           sampling_params=params, arrival_time=time.time()))
+    while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+    times = []
+    for _ in range(steps):
+        start = clock()
+        core.step()
+        times.append(clock() - start)
+    while core.has_unfinished_requests():
+        core.step()
+    return 1e3 * sorted(times)[len(times) // 2]
 
+
+def run_decode(ns) -> int:
     config = EngineConfig.from_args(ns)
     core = EngineCore(config)
     results = {"tensor_parallel_size": config.parallel.tensor_parallel_size, "context": ns.context, "step_ms": {}}
     try:
         for batch in (int(b) for b in ns.batch_sizes.split(",")):
-            params = SamplingParams(temperature=0.0, max_tokens=ns.steps + 2, ignore_eos=True)
-            prompts = torch.randint(100, core.info.vocab_size - 100, (batch, ns.context)).tolist()
-            for i, prompt in enumerate(prompts):
-                core.add_request(EngineCoreRequest(request_id=f"b{batch}-{i}", prompt_token_ids=prompt,
-                                                   sampling_params=params, arrival_time=time.time()))
-            while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-                core.step()
-            times = []
-            for _ in range(ns.steps):
-                start = time.perf_counter()
-                core.step()
-                times.append(time.perf_counter() - start)
-            while core.has_unfinished_requests():
-                core.step()
-            results["step_ms"][batch] = 1e3 * sorted(times)[len(times) // 2]
+            results["step_ms"][batch] = decode_step_ms(core, batch, ns.context, ns.steps)
             print(f"decode step at batch {batch}, context {ns.context}, tp {config.parallel.tensor_parallel_size}: "
                   f"{results['step_ms'][batch]:.1f} ms", flush=True)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -37,10 +38,13 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def move_panels_to_huge_pages(weights: list[QuantizedWeight]) -> int:
+def move_panels_to_huge_pages(weights: list[QuantizedWeight],
+                              release: Callable[[torch.Tensor], None] | None = None) -> int:
     """Move each weight's interleaved panels into one huge-page region, in place (a tied weight shared
     by two layers moves once), one weight at a time: its old copy is freed as soon as the new one is in
-    place, so the process never holds the weights twice. Returns the bytes moved (0: nothing moved)."""
+    place, so the process never holds the weights twice. `release` hands back an old tensor's pages that
+    freeing does not (a view of a mapped file: tokenloom/model/loader/panel_cache.py). Returns the bytes
+    moved (0: nothing moved)."""
     unique = list({id(w): w for w in weights if w.panels is not None}.values())
     if not enabled() or not unique:
         return 0
@@ -65,6 +69,9 @@ def move_panels_to_huge_pages(weights: list[QuantizedWeight]) -> int:
     for w in unique:
         p = w.panels
         w.panels = Panels(place(p.qpacked), place(p.scales), place(p.mins), p.columns)
+        if release is not None:
+            for t in _tensors(p):
+                release(t)
         since_trim += sum(t.numel() * t.element_size() for t in _tensors(p))
         del p
         if since_trim >= TRIM_EVERY:

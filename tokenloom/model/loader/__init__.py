@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,11 +13,13 @@ from tokenloom import kernels
 from tokenloom.distributed.expert_parallel import expert_parallel_settings
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
+from tokenloom.model.huge_pages import enabled as huge_pages_enabled
 from tokenloom.model.huge_pages import move_panels_to_huge_pages
 from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
-from tokenloom.model.loader import weight_cache
+from tokenloom.model.loader import panel_cache, weight_cache
+from tokenloom.model.loader.memory_fit import check_fits
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
 from tokenloom.model.loader.tensor_source import TensorSource
 from tokenloom.model.model_errors import CorruptModelError, ModelFileError, naming_the_file, one_line
@@ -51,8 +54,10 @@ def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
 
 
 def read_arch_config(model: str | None) -> ArchConfig:
-    """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it)."""
+    """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it;
+    a model larger than memory is refused here, before any process loads it)."""
     path = resolve_model_path(model)
+    check_fits(path)
     with naming_the_file(path):
         return open_model_source(path, torch.float32).arch_config
 
@@ -73,45 +78,51 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them."""
     start = time.perf_counter()
     path = resolve_model_path(model) if tensors is None else str(model)
+    if tensors is None:
+        check_fits(path)
     if quantized is None:
         quantized = tensors is None and keeps_quantized(path, device, dtype)
     with naming_the_file(path):
-        net, arch, params, size = _load(path, dtype, device, progress, quantized, attention, tensors)
-    return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
+        return _load(path, dtype, device, progress, quantized, attention, tensors, start)
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, quantized: bool,
-          attention: AttentionBackend | None, tensors: TensorSource | None
-          ) -> tuple[torch.nn.Module, ArchConfig, int, int]:
-    """load_model's work: build the model, fill it, pack it; (model, arch, parameters, bytes)."""
+          attention: AttentionBackend | None, tensors: TensorSource | None, start: float) -> LoadedModel:
+    """load_model's work: build the model, fill it, pack it."""
+    tp = tp_group()
+    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized else None
+    if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
+        net = _empty_model(mapped.arch_config, dtype, device, attention)
+        if mapped.fill(net):
+            if huge_pages_enabled() and mapped.on_huge_pages():  # already on huge pages: nothing to move
+                return _loaded(net, mapped.arch_config, path, start, move_to_huge_pages=False)
+            return _loaded(net, mapped.arch_config, path, start, quantized, release=mapped.release)
     cache_key = weight_cache.QUANTIZED if quantized else dtype
     # A quantized model's cache entry holds the repacked blocks.
     source = tensors if tensors is not None else open_model_source(path, dtype, quantized)
     arch = source.arch_config
-    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
-    cls = model_class(arch.architecture)
-    with torch.device("meta"):
-        net = cls(arch, attention or standalone_attention_backend(device, dtype))
-    _materialize(net, device)
-    net = net.to(dtype)
-    _reset_buffers(net, device)
+    net = _empty_model(arch, dtype, device, attention)
     expected = net.checkpoint_names()  # named by the parameters, before slots stand in for the weights
     if quantized:
         quantized_linear.install_slots(net)
     gguf_loader = _gguf_loader()
-    fill_cache = isinstance(source, gguf_loader.GGUFModelFile) and tp_group().is_first  # one writer per entry
+    from_gguf = isinstance(source, gguf_loader.GGUFModelFile)
+    # A quantized model keeps its loaded form in the panel cache (one file per rank); the weight cache's
+    # entry of repacked blocks is for the models that file does not describe (mixtures of experts).
+    to_panels = from_gguf and quantized and arch.num_experts == 0
+    fill_cache = from_gguf and tp.is_first and not to_panels  # one writer per entry
     loaded_tensors = {}
     bar = tqdm(total=source.num_tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     seen = set()
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     if not quantized:
-        tensors = source.tensors(dtype)
-    elif isinstance(source, gguf_loader.GGUFModelFile):
-        tensors = source.tensors(dtype, quantized=True)
+        named = source.tensors(dtype)
+    elif from_gguf:
+        named = source.tensors(dtype, quantized=True)
     else:
-        tensors = weight_cache.unflatten_quantized(source.tensors(dtype))
-    for name, tensor in tensors:
+        named = weight_cache.unflatten_quantized(source.tensors(dtype))
+    for name, tensor in named:
         _place(net, name, tensor.to(device))
         if fill_cache:
             loaded_tensors[name] = tensor
@@ -126,14 +137,36 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, q
                                 f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
     if quantized:
         quantized_linear.finalize_quantized(net, dtype)
-        move_panels_to_huge_pages(quantized_linear.quantized_weights(net))
+    if to_panels:
+        panel_cache.store(path, tp.rank, tp.size, arch, net)
     if fill_cache:
         weight_cache.store(path, cache_key, arch, loaded_tensors)
+    return _loaded(net, arch, path, start, quantized)
+
+
+def _empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                 attention: AttentionBackend | None) -> torch.nn.Module:
+    """The model's modules with uninitialized parameters and computed buffers, checked against the parallel
+    layout."""
+    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
+    cls = model_class(arch.architecture)
+    with torch.device("meta"):
+        net = cls(arch, attention or standalone_attention_backend(device, dtype))
+    _materialize(net, device)
+    net = net.to(dtype)
+    _reset_buffers(net, device)
+    return net
+
+
+def _loaded(net: torch.nn.Module, arch: ArchConfig, path: str, start: float, move_to_huge_pages: bool,
+            release: Callable[[torch.Tensor], None] | None = None) -> LoadedModel:
+    if move_to_huge_pages:
+        move_panels_to_huge_pages(quantized_linear.quantized_weights(net), release)
     net.eval()
     packed = quantized_linear.quantized_weights(net)
     params = sum(p.numel() for p in net.parameters()) + sum(w.shape.numel() for w in packed)
     size = sum(p.numel() * p.element_size() for p in net.parameters()) + sum(w.nbytes for w in packed)
-    return net, arch, params, size
+    return LoadedModel(net, arch, path, params, size, time.perf_counter() - start)
 
 
 def _place(net: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

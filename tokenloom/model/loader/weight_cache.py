@@ -107,6 +107,7 @@ class CachedWeights:
                 yield name, f.get_tensor(name)
 
 
+PANELS = ".panels"  # a quantized model's loaded form (tokenloom/model/loader/panel_cache.py)
 QUANTIZED = "quantized"  # the entry key (in place of a dtype) of a model whose weights stay in blocks
 _PART = "#"  # a quantized weight is stored as <name>#<bits>.<block>.<qweight|scales|mins>
 
@@ -172,7 +173,7 @@ def store(path: str, dtype: torch.dtype | str, arch: ArchConfig, tensors: dict[s
 def entries() -> list[Entry]:
     """Every entry in the folder, most recently used first (entries of older formats included)."""
     out = []
-    for tensors in folder().glob("*.safetensors"):
+    for tensors in [*folder().glob("*.safetensors"), *folder().glob(f"*{PANELS}")]:  # PANELS: panel_cache.py
         stem = tensors.with_suffix("")
         meta_path = Path(f"{stem}.json")
         try:
@@ -188,7 +189,7 @@ def entries() -> list[Entry]:
 
 
 def remove(entry: Entry) -> None:
-    for suffix in (".safetensors", ".json"):
+    for suffix in (".safetensors", PANELS, ".json"):
         try:
             os.unlink(f"{entry.stem}{suffix}")
         except FileNotFoundError:
