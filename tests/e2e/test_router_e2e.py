@@ -164,14 +164,22 @@ def test_cache_aware_gets_more_prefix_hits_than_round_robin(workers):
     assert hits["round_robin"] == 0 and hits["cache_aware"] >= 2 * 32, hits
 
 
+# A live worker answers /health in milliseconds and a frozen one never does: a 5 s check timeout keeps a
+# loaded machine from taking the live one out, and two failed checks take the frozen one out within
+# 2 x (interval + timeout) = 11 s, well inside the wait below.
+HEALTH_CHECK_TIMEOUT = 5.0
+HEALTH_CHECK_INTERVAL = 0.5
+HEALTH_WAIT = 30.0
+
+
 def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers):
     a, b = workers
-    with RouterProcess("--worker-urls", a.url, b.url, "--health-check-interval-secs", "0.3",
-                       "--health-check-timeout-secs", "0.5", "--health-failure-threshold", "2",
+    with RouterProcess("--worker-urls", a.url, b.url, "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
+                       "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT), "--health-failure-threshold", "2",
                        "--health-success-threshold", "2") as router:
         os.kill(b.pid, signal.SIGSTOP)
         try:
-            deadline = time.time() + 10
+            deadline = time.time() + HEALTH_WAIT
             while router.workers()[b.url] and time.time() < deadline:
                 time.sleep(0.1)
             assert router.workers() == {a.url: True, b.url: False}
@@ -181,7 +189,7 @@ def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers)
                 assert r.status_code == 200
         finally:
             os.kill(b.pid, signal.SIGCONT)
-        deadline = time.time() + 10
+        deadline = time.time() + HEALTH_WAIT
         while not router.workers()[b.url] and time.time() < deadline:
             time.sleep(0.1)
         assert router.workers() == {a.url: True, b.url: True}
