@@ -39,5 +39,19 @@ test-fallback: setup-test
 soak: setup-test
 	.venv/bin/python -m pytest -q --run-slow -m slow $(ARGS)
 
+# The slow checks CI runs on every landing (.ci/run, after test and test-fallback): the real Gemma 3 270M
+# against transformers past its 512-token window and at TP=2, a prefill/decode pair of real servers (directly
+# and through `tokenloom router --pd`), speculative decoding's output distribution end to end, the
+# 400-request flood, and a client that stops reading. `make soak` runs these and every other slow test.
+.PHONY: soak-ci
+SOAK_CI ?= tests/unit/test_gemma3.py::test_gemma3_270m_greedy_is_token_identical_to_transformers_past_the_512_token_window \
+	tests/unit/test_gemma3_tensor_parallel.py::test_gemma3_270m_at_tp2_matches_tp1_past_the_512_token_window \
+	tests/e2e/test_pd_e2e.py \
+	tests/e2e/test_spec_decode_embedded.py::test_unseeded_sampling_has_the_same_distribution \
+	tests/e2e/test_admission.py::test_full_flood_default_flags \
+	tests/e2e/test_admission.py::test_clients_that_never_read_do_not_hold_admission
+soak-ci: setup-test
+	.venv/bin/python -m pytest -q --run-slow $(SOAK_CI) $(ARGS)
+
 bench: setup
 	@.venv/bin/tokenloom bench throughput $(ARGS)

@@ -3,7 +3,7 @@
 One SERVER span per finished request, named ``llm_request`` with vLLM's attribute names
 (``gen_ai.*``), created when the request ends with its start set to the arrival time, so
 nothing is kept or computed per request while it runs. When the flag is not given, the
-opentelemetry packages are never imported (nor needed): tracing costs nothing when off.
+OpenTelemetry SDK and exporters are never imported (nor needed): tracing costs nothing when off.
 A request that fails (engine error, timeout, abort) gets an error status.
 
 Install: ``pip install opentelemetry-sdk opentelemetry-exporter-otlp`` (or the ``tracing``

@@ -2,9 +2,10 @@
 
 Correctness reference: the plain engine (the offline LLM, one engine, all prompts batched) on the same
 weights; greedy outputs through the two replicas must be token-identical to it. The tests then check
-where requests go (both replicas get work, a pinned `data_parallel_rank` goes where asked, a repeated
-prefix goes back to the replica that holds it) by reading each replica's prefix-cache counters on
-/metrics (labelled engine="0" / engine="1"), and that killing one replica fails only its requests.
+where requests go (both replicas get work, idle replicas take turns, a pinned `data_parallel_rank` goes
+where asked, a repeated prefix goes back to the replica that holds it) by reading each replica's
+prefix-cache counters on /metrics (labelled engine="0" / engine="1"), and that killing one replica fails
+only its requests.
 """
 from __future__ import annotations
 
@@ -86,12 +87,52 @@ def test_a_rank_out_of_range_is_a_400_naming_the_field(server):
     assert r.json()["error"]["param"] == "data_parallel_rank"
 
 
+def _wait_both_idle(srv, timeout: float = 60.0) -> None:
+    """Until both replicas report nothing running or waiting and no KV block in use: their load scores
+    are then equal (0), and the next request without a known prefix goes to the replica whose turn it is."""
+    deadline = time.time() + timeout
+    while True:
+        m = metric_values(srv.get("/metrics").text)
+        busy = {k: v for k, v in m.items() if v and k.split("{")[0] in (
+            "tokenloom:num_requests_running", "tokenloom:num_requests_waiting", "tokenloom:kv_cache_used_blocks")}
+        if not busy:
+            return
+        assert time.time() < deadline, busy
+        time.sleep(0.2)
+
+
+def _replica_that_ran(srv, request) -> int:
+    """Which replica looked the prompt up in its prefix cache while `request()` ran."""
+    before = _queries(srv)
+    request()
+    after = _queries(srv)
+    ran = [rank for rank in (0, 1) if after[rank] != before[rank]]
+    assert len(ran) == 1, (before, after)
+    return ran[0]
+
+
+def test_idle_replicas_take_turns_with_sequential_requests(server):
+    ranks = []
+    for i in range(3):
+        _wait_both_idle(server)
+        ranks.append(_replica_that_ran(server, lambda i=i: _complete(server, f"Request {i} of three: hello")))
+    assert ranks[1] == 1 - ranks[0] and ranks[2] == ranks[0], ranks
+
+
 def test_a_repeated_prefix_goes_back_to_the_replica_that_holds_it(server):
+    """Idle replicas take turns, so without prefix affinity the second request would go to the other
+    replica: on a hit it goes where the first one ran, and the next unrelated request takes the turn."""
     shared = "You are a careful assistant. Answer in one short sentence, and never use lists. " * 3
-    first = _complete(server, shared + "Question: what is 2 + 2?")
-    assert first.status_code == 200
-    r = _complete(server, shared + "Question: what colour is the sky?")
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    _wait_both_idle(server)
+    holder = _replica_that_ran(server, lambda: _complete(server, shared + "Question: what is 2 + 2?"))
+    _wait_both_idle(server)
+    got: dict[str, httpx.Response] = {}
+    again = _replica_that_ran(server, lambda: got.setdefault(
+        "r", _complete(server, shared + "Question: what colour is the sky?")))
+    assert again == holder
+    assert got["r"].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    _wait_both_idle(server)
+    assert _replica_that_ran(server, lambda: _complete(server, "Unrelated: name a fruit.")) == 1 - holder
 
 
 def _wait_health(srv, status: str, timeout: float) -> dict:

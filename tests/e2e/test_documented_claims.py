@@ -1,7 +1,7 @@
 """Claims of the documentation (docs/serving.md, docs/structured-outputs.md, docs/benchmarks.md) that no
 other test covers, each checked end to end:
 `serve` start-up errors in one line, structural_tag on its own, request logs, streamed
-reasoning_content, and `bench throughput`. (Tool-choice auto / required / none and
+reasoning_content, `bench throughput`, and tracing off by default. (Tool-choice auto / required / none and
 parallel_tool_calls are in test_tool_calls.py.)
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 from server_harness import ServerProcess
 
@@ -66,7 +65,10 @@ def test_serve_startup_errors_are_one_line(case, request):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--reasoning-parser", "think", "--log-requests", "full", "--log-level", "info")
+    # PYTHONPROFILEIMPORTTIME: every process of the server writes each module it imports, when it
+    # imports it, to its stderr (the log): what the tracing test reads.
+    srv = ServerProcess("--reasoning-parser", "think", "--log-requests", "full", "--log-level", "info",
+                        env={"PYTHONPROFILEIMPORTTIME": "1"})
     try:
         yield srv
     finally:
@@ -113,10 +115,10 @@ def test_request_logs_say_received_timings_and_output(server):
     assert r.status_code == 200
     text = r.json()["choices"][0]["text"]
     deadline = time.time() + 10
-    while "request log-check-1 finished" not in server.log_text():
+    while "request log-check-1 finished" not in _whole_log(server):
         assert time.time() < deadline, server.log_text()[-2000:]
         time.sleep(0.1)
-    lines = [line for line in server.log_text().splitlines() if "log-check-1" in line]
+    lines = [line for line in _whole_log(server).splitlines() if "log-check-1" in line]
     received = next(line for line in lines if "received" in line)
     finished = next(line for line in lines if "finished" in line)
     assert "prompt tokens" in received and "prompt='The sky is'" in received
@@ -143,9 +145,29 @@ def test_bench_throughput_reports_rates(tmp_path):
     assert "output tokens/s" in proc.stdout + proc.stderr
 
 
+def _whole_log(server: ServerProcess) -> str:
+    with open(server.log.name, errors="replace") as f:
+        return f.read()
+
+
+def _imported_modules(server: ServerProcess) -> set[str]:
+    """The modules the server's processes imported so far, from their -X importtime lines
+    ("import time: SELF | CUMULATIVE | NAME", the name indented by its depth)."""
+    return {line.rsplit("|", 1)[1].strip() for line in _whole_log(server).splitlines()
+            if line.startswith("import time:") and line.count("|") == 2}
+
+
+# What tracing loads when it is on (tracing.py): the OpenTelemetry SDK and an OTLP exporter. The API
+# package alone (`opentelemetry`, `opentelemetry.trace`) is imported by FastAPI itself (fastapi.telemetry).
+TRACING_PACKAGES = ("opentelemetry.sdk", "opentelemetry.exporter")
+
+
 def test_tracing_is_not_loaded_without_the_flag(server):
-    """No cost when off: the server process never imports the tracing module or OpenTelemetry."""
-    maps = open(f"/proc/{server.pid}/maps").read()
-    assert "opentelemetry" not in maps
-    modules = httpx.get(server.url + "/health", timeout=10)  # the server is up and serving
-    assert modules.status_code == 200
+    """No cost when off: having served requests, no process of the server has loaded the OpenTelemetry SDK
+    or an exporter."""
+    r = server.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 2})
+    assert r.status_code == 200
+    modules = _imported_modules(server)
+    # the log does record the server's imports, the module that would load the SDK among them
+    assert {"uvicorn", "tokenloom.tracing", "torch"} <= modules  # torch: the engine process's imports too
+    assert not {m for m in modules if m.startswith(TRACING_PACKAGES)}

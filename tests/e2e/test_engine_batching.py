@@ -140,8 +140,8 @@ def test_generate_priority_argument_runs_lower_values_first(make_llm, prompts):
 
 # ---- sampling in a mixed batch -------------------------------------------------------------------------
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(base, prompts, concurrent):
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
-    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)
+    sampled = dict(temperature=0.9, top_p=0.95, max_tokens=8, ignore_eos=True)
+    seeded, other_seed = SamplingParams(seed=1234, **sampled), SamplingParams(seed=99, **sampled)  # only the seed
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     alone = tokens(base.generate([prompts[3]], seeded, use_tqdm=False))[0]
     mixed = tokens(base.generate([prompts[5], prompts[3], prompts[12], prompts[3], prompts[3]],

@@ -1,8 +1,8 @@
 """A prefill/decode pair of real `tokenloom serve` processes on the embedded model, driven by
-`tokenloom.router.pd.pd_request` (what `tokenloom router --pd` runs): the answers equal the decode
-instance's own greedy answer to the plain request, streamed or not, and the decoder reports the whole
-prompt as cached (it computed none of it). Both take kv_transfer_params only with the pair's secret: a client
-without it gets a 400 at once, from either instance."""
+`tokenloom.router.pd.pd_request` and by a real `tokenloom router --pd` process in front of the pair: the
+answers equal the decode instance's own greedy answer to the plain request, streamed or not, and the
+decoder reports the whole prompt as cached (it computed none of it). Both take kv_transfer_params only with
+the pair's secret: a client without it gets a 400 at once, from either instance."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from router_harness import RouterProcess
 from server_harness import MODEL, ServerProcess
 
 from tokenloom.kv_transfer.trust import SECRET_HEADER
@@ -36,6 +37,13 @@ def pair():
     yield prefill, decode
     decode.terminate()
     prefill.terminate()
+
+
+@pytest.fixture(scope="module")
+def pd_router(pair):
+    prefill, decode = pair
+    with RouterProcess("--pd", "--prefill", prefill.url, "--decode", decode.url, "--kv-secret", SECRET) as router:
+        yield router
 
 
 def through_pair(pair, path: str, body: dict) -> tuple[int, bytes]:
@@ -92,3 +100,26 @@ def test_a_client_cannot_point_the_decoder_at_a_host_of_its_choosing(pair):
                                               "kv_transfer_params": params})
     assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_kv_transfer"
     assert time.monotonic() - t0 < 5  # refused at the door: no connection attempt, no transfer timeout
+def _streamed_text(raw: str) -> str:
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def test_a_completion_through_the_router_in_pd_mode_equals_the_decoders_own_answer(pair, pd_router):
+    body = {"model": MODEL, "prompt": PROMPT + " red,", "max_tokens": 24, "temperature": 0}
+    r = httpx.post(pd_router.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    want = pair[1].post("/v1/completions", json=body).json()
+    assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_a_streamed_chat_through_the_router_in_pd_mode_equals_the_decoders_own_answer(pair, pd_router):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a large city in Italy."}],
+            "max_tokens": 24, "temperature": 0, "stream": True}
+    with httpx.stream("POST", pd_router.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        raw = "".join(r.iter_text())
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+    want = pair[1].post("/v1/chat/completions", json=dict(body, stream=False)).json()
+    assert _streamed_text(raw) == want["choices"][0]["message"]["content"]

@@ -186,6 +186,12 @@ FREEZERS = [  # D1: each froze the API process (GIL-holding C work) or grew it b
 ]
 
 
+# /health answers in milliseconds; rendered in the API process, these templates held its GIL for up to 30 s
+# (measured before renders got their own process). 5 s leaves a loaded machine its scheduling delays and
+# stays far below such a stall.
+HEALTH_WHILE_RENDERING = 5.0
+
+
 @pytest.mark.parametrize("template", FREEZERS)
 def test_request_template_cannot_stall_other_requests(server, template):
     """While a hostile request template renders (in its limited process), /health answers at once."""
@@ -208,7 +214,7 @@ def test_request_template_cannot_stall_other_requests(server, template):
     r = result["r"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text[:300]
     assert time.time() - t0 < 10
-    assert worst < 1.0, f"/health waited {worst:.2f} s"
+    assert worst < HEALTH_WHILE_RENDERING, f"/health waited {worst:.2f} s"
 
 
 # ---------------------------------------------------------------- admission control and timeouts

@@ -10,62 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
 import pytest
 from helpers import free_port
+from router_harness import RouterProcess
 from server_harness import ServerProcess, metric_values
-
-_READY = re.compile(r"tokenloom router at (http://\S+)")
-
-
-class RouterProcess:
-    """`tokenloom router --port 0 ...` as a subprocess; `url` from its ready line."""
-
-    def __init__(self, *args: str) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom.entrypoints.cli", "router", "--port", "0",
-                                      "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True)
-        self.url = None
-        deadline = time.time() + 60
-        assert self.proc.stdout is not None
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            m = _READY.search(line or "")
-            if m:
-                self.url = m.group(1)
-            elif not line or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"router did not start: {open(self.log.name).read()[-3000:]}")
-
-    def metrics(self) -> dict[str, float]:
-        return metric_values(httpx.get(self.url + "/metrics", timeout=10).text)
-
-    def workers(self) -> dict[str, bool]:
-        return {w["url"]: w["healthy"] for w in httpx.get(self.url + "/workers", timeout=10).json()["workers"]}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "RouterProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +117,22 @@ def test_cache_aware_gets_more_prefix_hits_than_round_robin(workers):
     assert hits["round_robin"] == 0 and hits["cache_aware"] >= 2 * 32, hits
 
 
+# A live worker answers /health in milliseconds and a frozen one never does: a 5 s check timeout keeps a
+# loaded machine from taking the live one out, and two failed checks take the frozen one out within
+# 2 x (interval + timeout) = 11 s, well inside the wait below.
+HEALTH_CHECK_TIMEOUT = 5.0
+HEALTH_CHECK_INTERVAL = 0.5
+HEALTH_WAIT = 30.0
+
+
 def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers):
     a, b = workers
-    with RouterProcess("--worker-urls", a.url, b.url, "--health-check-interval-secs", "0.3",
-                       "--health-check-timeout-secs", "0.5", "--health-failure-threshold", "2",
+    with RouterProcess("--worker-urls", a.url, b.url, "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
+                       "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT), "--health-failure-threshold", "2",
                        "--health-success-threshold", "2") as router:
         os.kill(b.pid, signal.SIGSTOP)
         try:
-            deadline = time.time() + 10
+            deadline = time.time() + HEALTH_WAIT
             while router.workers()[b.url] and time.time() < deadline:
                 time.sleep(0.1)
             assert router.workers() == {a.url: True, b.url: False}
@@ -181,7 +142,7 @@ def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers)
                 assert r.status_code == 200
         finally:
             os.kill(b.pid, signal.SIGCONT)
-        deadline = time.time() + 10
+        deadline = time.time() + HEALTH_WAIT
         while not router.workers()[b.url] and time.time() < deadline:
             time.sleep(0.1)
         assert router.workers() == {a.url: True, b.url: True}

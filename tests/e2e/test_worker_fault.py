@@ -13,10 +13,18 @@ from server_harness import ServerProcess, _children, stream_in_thread
 
 pytestmark = pytest.mark.tp
 
+# The heartbeat and step timeouts of the server under test, and the bound on finding the dead worker: the
+# executor sees its process end at the next step (milliseconds), a timeout only after 120 s; 30 s is a
+# wide margin for a loaded machine and far from either.
+SILENCE_TIMEOUTS = 120
+FOUND_WITHIN = 30
+
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--distributed-executor-backend", "mp", "--restart-engine")
+    # Timeouts far longer than the test's bound: a death found by one of them would come too late to pass.
+    srv = ServerProcess("--distributed-executor-backend", "mp", "--restart-engine", "--engine-heartbeat-timeout",
+                        str(SILENCE_TIMEOUTS), "--engine-step-timeout", str(SILENCE_TIMEOUTS))
     try:
         yield srv
     finally:
@@ -46,9 +54,9 @@ def test_a_killed_worker_ends_the_stream_with_an_error_and_the_engine_restarts(s
         time.sleep(0.05)
     t0 = time.time()
     os.kill(workers[0], signal.SIGKILL)
-    r = _wait_health(server, 503, 5)
+    r = _wait_health(server, 503, FOUND_WITHIN)
     assert r.json()["status"] in ("engine_restarting", "engine_dead")
-    assert time.time() - t0 < 3  # found at the next step, not at a heartbeat timeout
+    assert time.time() - t0 < FOUND_WITHIN  # found at the next step, not at a heartbeat or step timeout
     t.join(15)
     assert not t.is_alive()
     assert out["events"][-1] == "[DONE]" and out["events"][-2]["error"]["code"] == "engine_dead"

@@ -64,6 +64,32 @@ def test_a_prefix_goes_back_to_its_replica_and_new_prompts_to_the_least_loaded()
     assert router.decisions == {"pinned": 0, "prefix": 1, "load": 2}
 
 
+def distinct(rid: str, token: int):
+    """A request whose prompt shares no block with another `distinct` one."""
+    return request(rid, [token] * 16)
+
+
+def test_idle_replicas_take_their_turns():
+    router = ReplicaRouter(3, BLOCK)
+    idle = {0: 0.0, 1: 0.0, 2: 0.0}
+    assert [router.choose(distinct(f"r{i}", i), idle, pinned=None) for i in range(4)] == [0, 1, 2, 0]
+
+
+def test_turns_go_round_among_the_least_loaded_only():
+    router = ReplicaRouter(3, BLOCK)
+    scores = {0: 0.0, 1: 1.0, 2: 0.0}
+    assert [router.choose(distinct(f"r{i}", i), scores, pinned=None) for i in range(3)] == [0, 2, 0]
+
+
+def test_a_prefix_hit_or_a_pinned_request_does_not_take_a_turn():
+    router = ReplicaRouter(2, BLOCK)
+    idle = {0: 0.0, 1: 0.0}
+    assert router.choose(request("a", SHARED + [1]), idle, pinned=None) == 0
+    assert router.choose(request("b", SHARED + [2]), idle, pinned=None) == 0  # back to its prefix
+    assert router.choose(distinct("c", 7), idle, pinned=0) == 0
+    assert router.choose(distinct("d", 8), idle, pinned=None) == 1  # replica 1's turn, not taken before
+
+
 @pytest.mark.parametrize("holder_score, least_score, goes_to_holder", [
     (AFFINITY_ABS_SLACK, 0.0, True),  # not more than the absolute slack above the least loaded
     (AFFINITY_ABS_SLACK + 1, 0.0, False),  # beyond both slacks

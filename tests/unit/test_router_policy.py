@@ -24,6 +24,22 @@ def test_least_load_takes_the_worker_with_fewest_open_requests():
     assert LeastLoad().choose(workers(3, 1, 2), None)[0].url == "http://w1"
 
 
+def test_least_load_gives_idle_workers_their_turns():
+    ws, policy = workers(0, 0, 0), LeastLoad()
+    assert [policy.choose(ws, None)[0].url for _ in range(4)] == ["http://w0", "http://w1", "http://w2", "http://w0"]
+
+
+def test_least_load_turns_go_round_among_the_least_loaded_only():
+    ws, policy = workers(0, 2, 0), LeastLoad()
+    assert [policy.choose(ws, None)[0].url for _ in range(3)] == ["http://w0", "http://w2", "http://w0"]
+
+
+def test_cache_aware_gives_fresh_prompts_to_idle_workers_in_turn():
+    ws, policy = workers(0, 0), CacheAware(max_tree_size=0)  # records stay empty: every worker ties
+    prompts = [{"prompt": f"Prompt number {i}, unrelated to the others. " * 4} for i in range(3)]
+    assert [policy.choose(ws, p) for p in prompts] == [(ws[0], "fresh"), (ws[1], "fresh"), (ws[0], "fresh")]
+
+
 def test_cache_aware_sends_a_shared_prefix_back_to_the_worker_that_has_it():
     ws, policy = workers(0, 0), CacheAware()
     first, why = policy.choose(ws, {"prompt": SYSTEM + "What is 2 + 2?"})

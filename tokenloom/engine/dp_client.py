@@ -5,7 +5,8 @@ abort_requests, call_utility, stats, shutdown) and owns N of them, one per repli
 
 * `add_request` picks a replica (`ReplicaRouter`): the one a request is pinned to with
   `data_parallel_rank`, else the replica that already holds its prefix unless that one is
-  much busier than the least loaded, else the least loaded (`load_score`);
+  much busier than the least loaded, else the least loaded (`load_score`; replicas that tie,
+  as idle ones do, take their turns: core/turns.py);
 * it remembers which replica owns each open request, so an abort reaches that replica only;
 * one replica's death fails that replica's requests only (`on_replica_dead(rank, reason,
   request_ids)`); the others keep serving. Only when every replica is dead does the whole
@@ -29,6 +30,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.engine_info import EngineInfo
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.stats import EngineStats, sum_stats
+from tokenloom.core.turns import Turns
 from tokenloom.engine import ipc
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 
@@ -128,6 +130,7 @@ class ReplicaRouter:
         self.size = size
         self.prefix = PrefixMap(block_size)
         self.decisions = {"pinned": 0, "prefix": 0, "load": 0}
+        self.turns: Turns[int] = Turns()
 
     def choose(self, request: EngineCoreRequest, scores: dict[int, float], pinned: int | None) -> int:
         """`scores`: load score of every live replica (at least one)."""
@@ -135,12 +138,12 @@ class ReplicaRouter:
         if pinned is not None:
             rank, kind = pinned, "pinned"
         else:
-            least = min(scores, key=lambda r: (scores[r], r))
+            least = min(scores.values())
             holder, _ = self.prefix.match(hashes, set(scores))
-            if holder is not None and not self._unbalanced(scores[holder], scores[least]):
+            if holder is not None and not self._unbalanced(scores[holder], least):
                 rank, kind = holder, "prefix"
             else:
-                rank, kind = least, "load"
+                rank, kind = self.turns.take([r for r, s in scores.items() if s == least]), "load"
         self.decisions[kind] += 1
         self.prefix.record(hashes, rank)
         return rank

@@ -11,6 +11,10 @@
   `cache_threshold` of the prompt; else the worker with the smallest record (the most room in its
   cache). The chosen worker's record takes the prompt.
 
+Workers that tie (idle ones, or equal records) take their turns in the order of their URLs
+(core/turns.py), so sequential requests to an idle pool spread over it instead of all going to the
+first worker.
+
 Load is the router's own count of open requests per worker: exact for the traffic through it,
 immediate (no polling of the workers' /metrics), and blind to traffic that bypasses the router.
 """
@@ -22,6 +26,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from tokenloom.core.json_types import JsonValue
+from tokenloom.core.turns import Turns
 from tokenloom.router.workers import Worker
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -105,11 +110,18 @@ class RoundRobin:
         return workers[next(self._counter) % len(workers)], "round_robin"
 
 
+def _url(worker: Worker) -> str:
+    return worker.url
+
+
 class LeastLoad:
     name = "least_load"
 
+    def __init__(self) -> None:
+        self.turns: Turns[str] = Turns()
+
     def choose(self, workers: list[Worker], body: JsonValue) -> tuple[Worker, str]:
-        return min(workers, key=lambda w: w.inflight), "least_load"
+        return self.turns.least(workers, lambda w: w.inflight, _url), "least_load"
 
 
 class CacheAware:
@@ -122,6 +134,7 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_size = max_tree_size
         self.records: dict[str, PrefixRecord] = {}
+        self.turns: Turns[str] = Turns()
 
     def _record(self, worker: Worker) -> PrefixRecord:
         if worker.url not in self.records:
@@ -133,17 +146,16 @@ class CacheAware:
         or "fresh" (no good match: the smallest record)."""
         hashes = PrefixRecord.hashes(prompt_text(body))
         busiest = max(w.inflight for w in workers)
-        idlest = min(workers, key=lambda w: w.inflight)
-        if (busiest - idlest.inflight > self.balance_abs_threshold
-                and busiest > self.balance_rel_threshold * idlest.inflight):
-            chosen, why = idlest, "balance"
+        idlest = min(w.inflight for w in workers)
+        if busiest - idlest > self.balance_abs_threshold and busiest > self.balance_rel_threshold * idlest:
+            chosen, why = self.turns.least(workers, lambda w: w.inflight, _url), "balance"
         else:
             best = max(workers, key=lambda w: (self._record(w).matched(hashes), -w.inflight))
             rate = self._record(best).matched(hashes) / len(hashes) if hashes else 0.0
             if rate > self.cache_threshold:
                 chosen, why = best, "prefix"
             else:
-                chosen, why = min(workers, key=lambda w: (len(self._record(w)), w.inflight)), "fresh"
+                chosen, why = self.turns.least(workers, lambda w: (len(self._record(w)), w.inflight), _url), "fresh"
         self._record(chosen).insert(hashes)
         return chosen, why
 
