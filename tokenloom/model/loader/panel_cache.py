@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import BinaryIO
@@ -152,9 +153,12 @@ class MappedPanels:
             hit = MappedPanels(target)
         except (OSError, ValueError, TypeError, msgspec.DecodeError):
             return None
-        for used in (target, target.with_suffix(".json")):  # its place in the folder's least-recently-used order
+        # Its place in the folder's least-recently-used order. The precise clock, not the file system's
+        # coarse one (a tick of a few ms), which gives an entry written a moment earlier the same time.
+        now = time.time_ns()
+        for used in (target, target.with_suffix(".json")):
             try:
-                os.utime(used)
+                os.utime(used, ns=(now, now))
             except OSError:
                 pass
         return hit
