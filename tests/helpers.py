@@ -241,6 +241,47 @@ def build_tiny_model(kind: str, seed: int = 0):
     return model
 
 
+# Tiny random Gemma 3 (text): windowed and global layers with their own rotary bases, a query scale that is not
+# head_dim**-0.5, final-logit soft-capping (tests/unit/test_gemma3.py, test_lora.py).
+TINY_GEMMA3_WINDOW = 8
+
+
+def build_tiny_gemma3(seed: int = 0):
+    """3 layers (windowed, global, windowed), window 8, random (1 + w) norms; float32, eval mode."""
+    import transformers
+    config = transformers.Gemma3TextConfig(
+        **{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16},
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=TINY_GEMMA3_WINDOW,
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:  # HF initializes Gemma's norms to 0 (a scale of 1): make every one count
+                p.copy_(0.3 * torch.randn_like(p))
+    return hf
+
+
+LORA_ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(hf_model, folder: str, r: int = 8, alpha: int = 16, targets: Sequence[str] = LORA_ALL_TARGETS,
+                      seed: int = 0, use_rslora: bool = False):
+    """A random LoRA adapter made by PEFT on a copy of `hf_model` (B non-zero), saved to `folder` as PEFT saves
+    one; returns (folder, the PEFT model: the reference)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        use_rslora=use_rslora)
+    peft_model = get_peft_model(copy.deepcopy(hf_model), config).eval()
+    peft_model.save_pretrained(folder)
+    return folder, peft_model
+
+
 def save_tiny_model(model, folder: str) -> str:
     """save_pretrained (safetensors) plus a minimal generation_config.json."""
     model.save_pretrained(folder, safe_serialization=True)

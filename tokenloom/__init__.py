@@ -1,4 +1,5 @@
 """tokenloom: an LLM inference and serving engine on PyTorch."""
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -12,4 +13,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -133,6 +133,29 @@ class SchedulerConfig:
                f"long_prefill_token_threshold must be >= 1 (got {self.long_prefill_token_threshold})")
 
 
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (tokenloom/lora, docs/lora.md): vLLM's flags and defaults."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident in the workers' slots at once (and so in one step)
+    max_lora_rank: int = 16  # the slots' rank; an adapter of a higher rank is refused
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+
+    def __post_init__(self) -> None:
+        _check(self.max_loras >= 1, f"max_loras must be >= 1 (got {self.max_loras})")
+        _check(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in 1..512 (got {self.max_lora_rank})")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check(self.max_cpu_loras >= self.max_loras,
+               f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_slots(self) -> int:
+        """The scheduler's and workers' slot count: 0 when LoRA is off."""
+        return self.max_loras if self.enable_lora else 0
+
+
 def _torchrun_env(name: str, default, kind=str):
     """A rendezvous value from torchrun's environment (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES)."""
     raw = os.environ.get(name)
@@ -356,6 +379,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     log_stats_interval: float = 10.0  # seconds between engine log lines; 0 = off
     # Structured outputs: <think> parser whose end marker starts constraints (tokenloom.structured.reasoning),
     # and the tool-call format the server parses (tokenloom.structured.tool_parsers).
@@ -410,7 +434,7 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model, max_num_seqs=8, ...)``)."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "limits": LimitsConfig}
+                 "parallel": ParallelConfig, "limits": LimitsConfig, "lora": LoRAConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         top = {}
         for key, value in kwargs.items():
@@ -426,7 +450,7 @@ class EngineConfig:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineConfig":
         kwargs = {}
-        for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig):
+        for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig, LoRAConfig):
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
@@ -542,6 +566,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "--kv-offloading-path) and load them back on a later hit")
     opt("kv_offloading_size", float, "GiB the offload tier may hold (default 1)")
     opt("kv_offloading_path", str, "directory for the offload tier (blocks survive a restart); default host memory")
+    g.add_argument("--enable-lora", dest="enable_lora", action="store_true",
+                   default=env_default("enable_lora", None, bool),
+                   help="serve LoRA adapters (docs/lora.md): requests name one by their model field")
+    opt("max_loras", int, "LoRA adapters resident at once, and so in one step (default 1)")
+    opt("max_lora_rank", int, "highest LoRA rank served (default 16)")
+    opt("max_cpu_loras", int, "LoRA adapters kept read in host memory (default --max-loras)")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

@@ -54,6 +54,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     # ---- other tools' variables
     EnvVar("OMP_NUM_THREADS", "one thread per core", "compute threads of the engine and worker processes "
            "(`--threads` sets it for the processes it starts)", kind="external"),
+    EnvVar("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "off", "vLLM's: `True` (or `1`) opens `POST /v1/load_lora_adapter` and "
+           "`/v1/unload_lora_adapter`, as `--allow-runtime-lora-updating` does", kind="external"),
     EnvVar("MASTER_ADDR", "`127.0.0.1`", "torchrun's: default of `--master-addr`", kind="external"),
     EnvVar("MASTER_PORT", "a free port (29500 on several nodes)", "torchrun's: default of `--master-port`",
            kind="external"),

@@ -69,7 +69,14 @@ def test_cuda_device_without_a_gpu_fails_in_one_line():
 
 
 def test_unsupported_vllm_flag_fails_in_one_line_naming_it():
-    assert_one_line_error(run_serve("--lora-modules", "a=/x"), "--lora-modules", "LoRA is not supported")
+    assert_one_line_error(run_serve("--pipeline-parallel-size", "2"), "--pipeline-parallel-size",
+                          "pipeline parallelism is not supported")
+
+
+def test_a_missing_lora_adapter_fails_in_one_line_before_the_model_loads():
+    proc = run_serve("--enable-lora", "--lora-modules", "a=/nonexistent/adapter")
+    assert_one_line_error(proc, "--lora-modules a", "/nonexistent/adapter", "not a folder")
+    assert "starting the engine" not in proc.stderr
 
 
 def test_unknown_flag_fails_in_one_line_pointing_to_help():

@@ -28,8 +28,16 @@ def test_unsupported_flag_is_refused_naming_it(flag):
 
 
 def test_unsupported_flag_message_says_what_is_missing():
-    with pytest.raises(ConfigError, match="--lora-modules: LoRA is not supported yet"):
-        parse("serve", "--lora-modules", "a=/x")
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size: pipeline parallelism is not supported"):
+        parse("serve", "--pipeline-parallel-size", "2")
+
+
+def test_vllm_lora_flags_parse_with_their_meaning():
+    ns = parse("serve", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8",
+               "--lora-modules", "sql=/a", '{"name": "chat", "path": "/b", "base_model_name": "base"}')
+    lora = EngineConfig.from_args(ns).lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (True, 4, 32, 8)
+    assert ns.lora_modules == ["sql=/a", '{"name": "chat", "path": "/b", "base_model_name": "base"}']
 
 
 def test_unsupported_flag_is_refused_on_generate_too():

@@ -21,7 +21,7 @@ from tokenloom.model.loader import load_model, open_model_source
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tokenizer import Tokenizer
 
-WINDOW = 8
+WINDOW = helpers.TINY_GEMMA3_WINDOW
 LOGIT_TOL = 5e-5
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -29,17 +29,7 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     """(folder, transformers model): 3 layers (windowed, global, windowed), window 8."""
-    config = transformers.Gemma3TextConfig(
-        **{**helpers.TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16},
-        layer_types=LAYER_TYPES, sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:  # HF initializes Gemma's norms to 0 (a scale of 1): make every one count
-                p.copy_(0.3 * torch.randn_like(p))
+    hf = helpers.build_tiny_gemma3()
     return helpers.save_tiny_model(hf, str(tmp_path_factory.mktemp("tiny_gemma3"))), hf
 
 

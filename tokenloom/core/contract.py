@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput
+from tokenloom.core.lora_request import LoRASlotLoad
 from tokenloom.core.sampling_params import SamplingParams
 
 # One token's logprobs: [[token_id, logprob, rank], ...], the chosen token first, then the top-k.
@@ -36,6 +37,7 @@ class NewRequestData(msgspec.Struct, kw_only=True, array_like=True):
     eos_token_ids: list[int] = []
     bad_words_token_ids: list[list[int]] = []
     output_token_ids: list[int] = []  # sampled elsewhere already (a remote prefill's first token)
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model); resident in a slot whenever it is scheduled
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
@@ -89,13 +91,15 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # speculation is paused (disable_by_batch_size), so an idle draft model costs nothing.
     propose_drafts: bool = False
     kv_connector: KVConnectorMetadata | None = None  # KV loads, saves and publications (tokenloom.kv_transfer)
+    lora_loads: list[LoRASlotLoad] = []  # adapters to put into slots before the forward (applied once per step id)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
     def __bool__(self) -> bool:
-        return bool(self.num_scheduled_tokens) or bool(self.forks) or self.kv_connector is not None
+        return (bool(self.num_scheduled_tokens) or bool(self.forks) or self.kv_connector is not None
+                or bool(self.lora_loads))
 
     def subset(self, keys: list[str]) -> "SchedulerOutput":
         """The same step computing some sequences only: how fault isolation re-runs part of a failed batch.

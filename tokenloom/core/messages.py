@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # Data parallel: the engine replica that must run it (None: the frontend chooses; dp_client.py).
     data_parallel_rank: int | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from tokenloom.core.contract import sequence_key
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 
 _ARRIVAL_ORDER = itertools.count()  # breaks ties between equal arrival timestamps
@@ -28,7 +29,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  arrival_time: float | None = None, priority: int = 0, eos_token_ids: list[int] = (),
-                 bad_words_token_ids: list[list[int]] = (), cache_salt: str | None = None, index: int = 0):
+                 bad_words_token_ids: list[list[int]] = (), cache_salt: str | None = None, index: int = 0,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.index = index
         self.key = sequence_key(request_id, index)
@@ -42,6 +44,8 @@ class Request:
         self.stop_token_ids = set(params.stop_token_ids or ()) | set(self.eos_token_ids)
         self.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set on first schedule
@@ -65,6 +69,14 @@ class Request:
         self.pending_forks = width - 1 if index == 0 else 0
         self.structured: Any = None  # tokenloom.structured StructuredState, set by the EngineCore
         self.kv_transfer_params: dict | None = None  # set when it finishes: what a KV consumer needs (PD)
+
+    @property
+    def block_hash_salt(self) -> str | None:
+        """What the prefix cache mixes into every block hash besides the tokens: the cache salt and the LoRA
+        adapter, so blocks computed under one adapter are never served to another (or to the base model)."""
+        if not self.lora_int_id:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_int_id}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,9 +9,11 @@ import time
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.request import Request
 from tokenloom.engine.faults import FaultInjector, recover_failed_step
+from tokenloom.engine.lora_registry import LoRARegistry
 from tokenloom.executor.base import Executor
 from tokenloom.executor.factory import make_executor
 from tokenloom.kv_transfer.factory import make_scheduler_connector
@@ -40,7 +42,8 @@ class EngineCore:
         self.kv_connector = make_scheduler_connector(config, self.kv_manager, self.info.kv_connector)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    speculative=config.speculative_config, connector=self.kv_connector,
-                                   vocab_size=self.info.vocab_size)
+                                   vocab_size=self.info.vocab_size, max_loras=config.lora.num_slots)
+        self.loras = LoRARegistry(config.lora, self.info.lora_target_shapes, self.info.num_layers)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
         self.counters = {"prompt_tokens": 0, "steps": 0, "batched_tokens": 0}
@@ -51,9 +54,12 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        if req.lora_request is not None:
+            self.loras.check(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
                           priority=req.priority, eos_token_ids=req.eos_token_ids,
-                          bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt)
+                          bad_words_token_ids=req.bad_words_token_ids, cache_salt=req.cache_salt,
+                          lora_request=req.lora_request)
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
         self._finished.extend(self.scheduler.add_request(request))
@@ -63,6 +69,17 @@ class EngineCore:
         for rid in request_ids:
             for r in self.scheduler.abort(rid):
                 self._finished.append(engine_output(r, []))
+
+    def add_lora(self, name: str, lora_int_id: int, path: str) -> bool:
+        """Check an adapter against the model and accept it (LoRAAdapterError says why not); it goes into a
+        slot when a request first uses it."""
+        self.loras.check(LoRARequest(name, lora_int_id, path))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: no new request may use it; its slot goes to the next adapter."""
+        self.scheduler.forget_lora(lora_int_id)
+        return self.loras.remove(lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._finished)

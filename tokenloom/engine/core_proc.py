@@ -43,7 +43,7 @@ from tokenloom.worker.worker_info import WorkerInfo
 logger = logging.getLogger("tokenloom.engine")
 
 # EngineCore methods the frontend may call through UtilityCall.
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora")
 
 
 class CoreLike(Protocol):

@@ -12,6 +12,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
 
@@ -29,9 +30,10 @@ Ctrl-C stops the reply being written."""
 
 class ChatSession:
     def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None, out: TextIO | None = None,
-                 err: TextIO | None = None) -> None:
+                 err: TextIO | None = None, lora_request: LoRARequest | None = None) -> None:
         self.llm = llm
         self.params = params
+        self.lora_request = lora_request  # the LoRA adapter every reply uses (--lora)
         self.system = system
         self.turns: list[dict[str, str]] = []
         self.out = out or sys.stdout
@@ -100,7 +102,7 @@ class ChatSession:
         previous = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
             text, stopped = stream_reply(self.llm, chat_prompt_ids(self.llm, self.messages()), self.params,
-                                    out=self.out, stop=lambda: self._interrupted)
+                                    out=self.out, stop=lambda: self._interrupted, lora_request=self.lora_request)
         finally:
             signal.signal(signal.SIGINT, previous)
         print(file=self.out, flush=True)

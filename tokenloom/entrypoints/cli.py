@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 import tokenloom
 from tokenloom.config import ConfigError, EngineConfig, add_engine_args
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.entrypoints.chat_session import ChatSession
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
+from tokenloom.entrypoints.lora_modules import parse_lora_module
 from tokenloom.entrypoints.terminal import chat_prompt_ids, stream_reply
 
 if TYPE_CHECKING:  # imported when run: the LLM pulls in torch
@@ -44,8 +46,17 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     add_engine_args(parser, model_positional=False)
+    parser.add_argument("--lora", dest="lora", default=None,
+                        help="answer with a LoRA adapter: name=path (a PEFT folder); turns --enable-lora on")
     add_common_args(parser)
     _sampling_args(parser)
+
+
+def _lora(ns: argparse.Namespace) -> LoRARequest | None:
+    if ns.lora is None:
+        return None
+    module = parse_lora_module(ns.lora, "--lora")
+    return LoRARequest(module.name, 1, module.path, module.base_model_name)
 
 
 def _params(ns: argparse.Namespace) -> SamplingParams:
@@ -61,10 +72,12 @@ def _llm(ns: argparse.Namespace) -> LLM:
     logging.getLogger().setLevel(logging.INFO if ns.verbose else logging.ERROR)
     if not ns.verbose:
         warnings.filterwarnings("ignore")
+    if ns.lora is not None:
+        ns.enable_lora = True
     config = EngineConfig.from_args(ns)
     kwargs = {"kv_cache_memory": 0.25} if ns.kv_cache_memory is None and ns.num_blocks is None else {}
     flat = {**vars(config.model), **vars(config.cache), **vars(config.scheduler), **vars(config.parallel), **kwargs,
-            "log_stats_interval": config.log_stats_interval if ns.verbose else 0.0}
+            **vars(config.lora), "log_stats_interval": config.log_stats_interval if ns.verbose else 0.0}
     llm = LLM(progress=ns.verbose, **flat)
     if template is not None:
         llm.tokenizer.chat_template = template
@@ -74,13 +87,13 @@ def _llm(ns: argparse.Namespace) -> LLM:
 def cmd_generate(ns) -> int:
     llm = _llm(ns)
     prompt = ns.prompt if ns.raw else chat_prompt_ids(llm, [{"role": "user", "content": ns.prompt}])
-    stream_reply(llm, prompt, _params(ns))
+    stream_reply(llm, prompt, _params(ns), lora_request=_lora(ns))
     print()
     return 0
 
 
 def cmd_chat(ns) -> int:
-    return ChatSession(_llm(ns), _params(ns), ns.system).run()
+    return ChatSession(_llm(ns), _params(ns), ns.system, lora_request=_lora(ns)).run()
 
 
 def cmd_cache(ns) -> int:

@@ -21,7 +21,6 @@ from tokenloom.config import ConfigError, env_default
 
 # flag -> why it is refused. Each spelling vLLM or llama.cpp uses is listed.
 UNSUPPORTED: dict[tuple[str, ...], str] = {
-    ("--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--lora"): "LoRA is not supported yet",
     ("--speculative-model", "--num-speculative-tokens", "--model-draft", "-md"):
         "this spelling of speculative decoding is not supported; use --speculative-config "
         "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' (or \"ngram\")",

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.pooling import PoolingConfig
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.engine.core import EngineCore
@@ -19,6 +20,8 @@ from tokenloom.profiler import PROFILER
 from tokenloom.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+# One adapter for every prompt, or one (or None: the base model) per prompt, as vLLM takes it.
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -56,10 +59,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+                 priority: Sequence[int] | None = None, lora_request: LoRAArg = None) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order. `lora_request`: the LoRA adapter
+        to run with (the engine needs enable_lora=True)."""
         prompts = _as_list(prompts)
-        ids = self._add(prompts, sampling_params, priority)
+        ids = self._add(prompts, sampling_params, priority, lora_request)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         tokens, start = 0, time.perf_counter()
@@ -106,16 +110,17 @@ class LLM:
                 for i in ids]
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                        ) -> Iterator[RequestOutput]:
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        lora_request: LoRAArg = None) -> Iterator[RequestOutput]:
         """Yield cumulative RequestOutputs as tokens arrive, for all prompts interleaved."""
-        self._add(_as_list(prompts), sampling_params, None)
+        self._add(_as_list(prompts), sampling_params, None, lora_request)
         yield from self._run()
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams |
              Sequence[SamplingParams] | None = None, use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
@@ -124,17 +129,20 @@ class LLM:
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(prompt_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompt_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs
 
-    def _add(self, prompts: list[Prompt], params, priority) -> list[str]:
+    def _add(self, prompts: list[Prompt], params, priority, lora_request: LoRAArg = None) -> list[str]:
         if params is None:
             params = SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        loras = _loras_for(lora_request, len(prompts))
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.loras.check(lora)
         embeds = self.pooling is not None
         if any(p.embed != embeds for p in params_list):
             raise ValueError("this model embeds: use LLM.embed()" if embeds else
@@ -143,6 +151,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             rid = str(next(self._ids))
             req = self.input_processor.process(rid, prompt, p, priority[i] if priority else 0)
+            req.lora_request = loras[i]
             requests.append((req, prompt))
         ids = []
         for req, prompt in requests:  # validate all first, so one bad prompt adds nothing
@@ -164,6 +173,15 @@ class LLM:
     def abort(self, request_id: str) -> None:
         self.engine.abort_requests([request_id])
         self.output_processor.abort(request_id)
+
+
+def _loras_for(lora_request: LoRAArg, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {n} prompts but {len(loras)} LoRA requests")
+    return loras
 
 
 def _as_list(prompts) -> list[Prompt]:

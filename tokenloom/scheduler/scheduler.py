@@ -25,6 +25,7 @@ from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
+from tokenloom.scheduler.lora_slots import LoRASlotTable
 from tokenloom.scheduler.structured_step import constrain_drafts, next_token_bitmask
 from tokenloom.spec_decode.proposer import make_proposer
 
@@ -35,7 +36,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None,
-                 connector: SchedulerConnector | None = None, vocab_size: int | None = None):
+                 connector: SchedulerConnector | None = None, vocab_size: int | None = None, max_loras: int = 0):
+        """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused)."""
         self.config = config
         self.vocab_size = vocab_size  # the width of a grammar's bitmask (requests with a `structured` state)
         self.kv = kv
@@ -62,6 +64,7 @@ class Scheduler:
             self.proposer = make_proposer(speculative)
             self.lookahead = k if self.proposer is None else 0
         self._speculate = False
+        self.lora_slots = LoRASlotTable(max_loras) if max_loras else None
         # vLLM's spec_decode counters: steps that verified drafts, drafts verified, drafts accepted, per position.
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -73,6 +76,8 @@ class Scheduler:
         """Queue a request; returns its output already (a first token produced by a remote prefill)."""
         if request.key in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.lora_int_id and self.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
         first_token = self.connector.on_add(request)
         self.requests[request.key] = request
         outputs = []
@@ -147,9 +152,13 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        deferred: list[Request] = []  # waiting for a LoRA slot: the requests behind them go ahead
         while self.waiting and budget > 0 and not preempted:
             idx = self._pick_waiting()
             req = self.waiting[idx]
+            if req.lora_int_id and not self.lora_slots.acquire(req.lora_request, self._busy_loras()):
+                deferred.append(self.waiting.pop(idx))
+                continue
             if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
@@ -190,7 +199,17 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        for req in deferred:
+            self._enqueue(req)
         return self._step_contract(scheduled)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.forget(lora_int_id, self._busy_loras())
+
+    def _busy_loras(self) -> set[int]:
+        """Adapters in use by running requests (or ones whose KV is loading): their slots stay."""
+        return {r.lora_int_id for r in (*self.running, *self.loading.values()) if r.lora_int_id}
 
     def _step_contract(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         """The step as the workers need it: new sequences whole, known ones as deltas."""
@@ -201,6 +220,8 @@ class Scheduler:
                               forks=self._announce_forks(), finished_keys=self.finished_keys,
                               propose_drafts=self.lookahead > 0 and self._may_speculate(len(self.running)))
         self.pending_copies, self.finished_keys = [], []
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
             self.connector.on_scheduled(req, n)
@@ -217,7 +238,8 @@ class Scheduler:
                     key=req.key, request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                     sampling_params=req.params, block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens, eos_token_ids=req.eos_token_ids,
-                    bad_words_token_ids=req.bad_words_token_ids, output_token_ids=req.output_token_ids))
+                    bad_words_token_ids=req.bad_words_token_ids, output_token_ids=req.output_token_ids,
+                    lora_int_id=req.lora_int_id))
                 req.sent_to_workers = True
             else:
                 first_block = 0 if req.resend_blocks else req.sent_blocks

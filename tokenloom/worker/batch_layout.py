@@ -66,6 +66,14 @@ class BatchLayout:
     def metadata(self, attention: AttentionBackend, device: torch.device):
         return attention.build_metadata(self.spans, tensor_on(self.slot_mapping, torch.long, device))
 
+    def row_values(self, per_chunk: list[int]) -> list[int]:
+        """A per-chunk value (in the chunks' own order) repeated over each chunk's rows, in flat order: how
+        each row learns its sequence's LoRA adapter."""
+        rows: list[int] = []
+        for i, span in zip(self.order, self.spans):
+            rows.extend([per_chunk[i]] * span.num_tokens)
+        return rows
+
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The input ids and positions on the device."""
         return tensor_on(self.input_ids, torch.long, device), tensor_on(self.positions, torch.long, device)

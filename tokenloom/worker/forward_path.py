@@ -7,7 +7,8 @@
   graphs are captured in the worker's warm-up phase, after the runner that holds them is built.
 
 Whatever the path, a step with a KV connector's per-layer hooks, or one a fast path cannot take (a prefill
-in a graph engine, a step under the profiler), runs eagerly.
+in a graph engine, a step under the profiler, rows with a LoRA adapter where the path has no LoRA:
+`fast_path_takes_lora`), runs eagerly.
 """
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ class ForwardPath:
 
 
 EAGER = ForwardPath("eager")
+
+
+def fast_path_takes_lora(kind: str) -> bool:
+    """Whether a fast path ("native_stack", "cuda_graphs") computes a step some of whose rows use a LoRA adapter.
+    Neither carries the adapters' deltas yet, so such a step runs layer by layer (the linear layers add them)."""
+    return False
 
 
 def wants_cuda_graphs(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> bool:

@@ -22,11 +22,13 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
 from tokenloom.model.layers.attention_select import choose_attention_backend, make_attention_backend
 from tokenloom.model.layers.quantized_linear import set_quantized_matmul
 from tokenloom.model.loader import LoadedModel, load_model, read_arch_config
+from tokenloom.model.lora_slots import ModelLoRA, attach_lora
 from tokenloom.model.matmul_dtype import cast_matmul_weights, native_cpu_matmul
 from tokenloom.model.pooling_config import pooling_for, sentence_max_length
 from tokenloom.model.prepack import can_prepack, prepack_linear_weights
@@ -101,6 +103,7 @@ class LoadedWeights:
     target: LoadedModel
     draft: LoadedModel | None  # speculative method "draft_model"
     pooling: PoolingConfig | None  # an embedding engine's (tokenloom/model/pooler.py)
+    lora: ModelLoRA | None = None  # the LoRA slots on the target's layers (--enable-lora)
 
     @property
     def is_encoder(self) -> bool:
@@ -125,7 +128,12 @@ def load_weights(config: EngineConfig, plan: DevicePlan, progress: bool) -> Load
         logger.info("%d matmul weights prepacked for oneDNN", prepack_linear_weights(loaded.model))
     logger.info("loaded %s: %.1fM parameters, %.0f MiB, %.1fs", loaded.path, loaded.num_params / 1e6,
                 loaded.bytes / 2 ** 20, loaded.seconds)
-    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling)
+    lora = None
+    if config.lora.enable_lora:  # before the memory is measured: the slots' buffers are part of the weights
+        lora = attach_lora(loaded.model, arch, config.lora.num_slots, config.lora.max_lora_rank, device)
+        logger.info("LoRA: %d slots of rank %d on %d projections", config.lora.num_slots,
+                    config.lora.max_lora_rank, len(lora.targets))
+    return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling, lora)
 
 
 def _load_draft(config: EngineConfig, target: LoadedModel, plan: DevicePlan, progress: bool) -> LoadedModel | None:
@@ -197,5 +205,10 @@ def build_runner(config: EngineConfig, plan: DevicePlan, weights: LoadedWeights,
                                   plan.cuda_graphs)
     group = tp_group()
     connector = make_worker_connector(config, model, kv.caches, kv.block_size, group.rank, group.size)
+    lora = None
+    if weights.lora is not None:
+        lora = LoRASlots(weights.lora.batch, weights.lora.targets, config.lora.max_lora_rank,
+                         config.lora.max_cpu_loras)
     return ModelRunner(model, kv.caches, kv.block_size, plan.device, attention, forward=forward, drafter=drafter,
-                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None)
+                       pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None,
+                       lora=lora)

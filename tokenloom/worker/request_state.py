@@ -34,6 +34,7 @@ class RequestState:
     # One per sequence still to come out of this one: n (or best_of) before the fork, then one.
     generators: list[torch.Generator | None] = field(default_factory=list)
     index: int = 0  # the sequence's place among its request's (a fork's child: ForkedSequence.index)
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
@@ -44,7 +45,8 @@ class RequestState:
                    list(new.block_ids), new.num_computed_tokens,
                    [] if params.ignore_eos else list(new.eos_token_ids),
                    [list(w) for w in new.bad_words_token_ids],
-                   [_generator(params.seed, child, device) for child in range(width)])
+                   [_generator(params.seed, child, device) for child in range(width)],
+                   lora_int_id=new.lora_int_id)
 
     def apply(self, delta: CachedRequestData) -> None:
         self.token_ids.extend(delta.new_token_ids)
@@ -80,7 +82,8 @@ class RequestState:
         generator of its index, which drew its first token along with this sequence's."""
         return RequestState(forked.key, self.request_id, self.params, self.prompt_token_ids, list(self.token_ids),
                             list(forked.block_ids), forked.num_computed_tokens, self.eos_token_ids,
-                            self.bad_words_token_ids, [self.generators[forked.index]], forked.index)
+                            self.bad_words_token_ids, [self.generators[forked.index]], forked.index,
+                            self.lora_int_id)
 
 
 def apply_forks(states: dict[str, RequestState], forks: list[ForkData]) -> None:

@@ -17,6 +17,7 @@ from tokenloom.core.contract import ModelRunnerOutput, SampledSequence, Schedule
 from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
@@ -25,7 +26,7 @@ from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
 from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
-from tokenloom.worker.forward_path import EAGER, ForwardPath
+from tokenloom.worker.forward_path import EAGER, ForwardPath, fast_path_takes_lora
 from tokenloom.worker.request_state import RequestState, apply_forks
 from tokenloom.worker.sampling_plan import SamplingPlan
 from tokenloom.worker.step_states import follow_step
@@ -42,10 +43,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, attention: AttentionBackend, forward: ForwardPath = EAGER,
                  drafter: WorkerProposer | None = None, pooling: PoolingConfig | None = None,
-                 kv_connector: ConnectorHook | None = None):
+                 kv_connector: ConnectorHook | None = None, lora: LoRASlots | None = None):
         """`attention` is bound to `kv_caches` already; `drafter`: a proposer that runs here (draft model);
         `pooling`: an embedding engine's (model/pooler.py); `kv_connector`: a KV connector's worker half
-        (tokenloom.kv_transfer), whose hooks run around each step's forward."""
+        (tokenloom.kv_transfer), whose hooks run around each step's forward; `lora`: the LoRA adapters' slots
+        on the model's layers (--enable-lora)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -55,6 +57,7 @@ class ModelRunner:
         self.drafter = drafter
         self.pooling = pooling
         self.kv_connector = kv_connector
+        self.lora = lora
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
@@ -67,6 +70,8 @@ class ModelRunner:
         self.last_step_id = step.step_id
         if self.drafter is not None:
             self.drafter.update_states(step)
+        if step.lora_loads:
+            self.lora.apply(step.lora_loads)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
                     RequestState.apply, apply_forks)
 
@@ -98,8 +103,9 @@ class ModelRunner:
             layout = step_layout(scheduled, step.spec_token_ids, self.block_size)
             self._check_vocabulary(layout.batch.input_ids)
             logit_rows = layout.logit_rows
+            row_slots = self._lora_rows(layout.batch, scheduled)
         with PROFILER.section("forward"):
-            hidden = self._forward(layout.batch, kv_layers)
+            hidden = self._forward(layout.batch, kv_layers, row_slots)
             pooled = {key: pool(hidden[first:first + n], self.pooling).tolist()
                       for key, first, n in layout.pool_spans}
             if not logit_rows:
@@ -124,18 +130,32 @@ class ModelRunner:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise TokenOutOfVocabulary(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
-    def _forward(self, batch: BatchLayout, kv_layers) -> torch.Tensor:
+    def _lora_rows(self, batch: BatchLayout, scheduled: list[tuple[RequestState, int]]) -> torch.Tensor | None:
+        """Each row's LoRA slot (-1: the base model), or None when no row of the step uses an adapter."""
+        if self.lora is None:
+            return None
+        return self.lora.row_slots(batch.row_values([r.lora_int_id for r, _ in scheduled]))
+
+    def _forward(self, batch: BatchLayout, kv_layers, row_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of the flat batch along the forward path: a captured CUDA graph for a decode-only
         step that fits one, the native decoder stack on the CPU, else the layer-by-layer forward (always,
-        with the connector's per-layer hooks)."""
+        with the connector's per-layer hooks). `row_slots`: the rows' LoRA slots, set on the layers for this
+        forward only."""
         graphs, stack = self.forward.graphs, self.forward.native_stack
-        if graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
+        fast = row_slots is None or fast_path_takes_lora(self.forward.kind)
+        if fast and graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
             return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.spans)
         meta = batch.metadata(self.attention, self.device)
         ids_t, pos_t = batch.tensors(self.device)
-        if stack is not None and kv_layers is None and stack.can_run():
+        if fast and stack is not None and kv_layers is None and stack.can_run():
             return stack.run(ids_t, pos_t, self.kv_caches, meta)
-        return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+        if row_slots is None:
+            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+        self.lora.batch.row_slots = row_slots
+        try:
+            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+        finally:
+            self.lora.batch.row_slots = None
 
     def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """t[rows], without the copy when rows is every row in order (a decode-only step)."""

@@ -108,6 +108,7 @@ class Worker:
         setup = self.setup
         arch = setup.arch
         hook = self.kv_hook
+        lora = self.weights.lora
         return WorkerInfo(model_path=str(setup.loaded.path), architecture=arch.architecture,
                           vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
                           eos_token_ids=list(arch.eos_token_ids), device=str(setup.device),
@@ -117,7 +118,9 @@ class Worker:
                           summary=setup.summary(), pooling=setup.runner.pooling,
                           warmup_decode_seconds=setup.warmup_decode_seconds,
                           kv_release_window=setup.kv_release_window,
-                          kv_connector=group_info(hook.connector) if hook is not None else None)
+                          kv_connector=group_info(hook.connector) if hook is not None else None,
+                          lora_target_shapes=lora.target_shapes if lora is not None else {},
+                          num_layers=lora.num_layers if lora is not None else 0)
 
     # ---- steps ----------------------------------------------------------------------------------------------
     @property

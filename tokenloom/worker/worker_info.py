@@ -26,6 +26,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # The sliding window every layer attends within (blocks behind it are freed); None: some layer reads all.
     kv_release_window: int | None = None
     kv_connector: KVWorkerInfo | None = None  # the worker half of a KV connector, when one is configured
+    # LoRA (--enable-lora): each target projection's unsharded (in, out), and the decoder's layer count, against
+    # which the EngineCore checks an adapter before any request uses it.
+    lora_target_shapes: dict[str, tuple[int, int]] = {}
+    num_layers: int = 0
 
     @property
     def full_length_requests(self) -> int:

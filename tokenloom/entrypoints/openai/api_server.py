@@ -41,8 +41,11 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.generation_defaults import load_generation_defaults
 from tokenloom.engine.request_log import LOG_LEVELS
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
+from tokenloom.entrypoints.lora_modules import parse_lora_modules, runtime_updates_from_env
 from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from tokenloom.entrypoints.openai.batch.settings import BatchSettings, add_batch_args
+from tokenloom.entrypoints.openai.errors import BadRequestError
+from tokenloom.entrypoints.openai.lora_models import LoRAModels
 from tokenloom.entrypoints.openai.server_state import (
     DEFAULT_MAX_EXPECTED_LATENCY,
     DEFAULT_MAX_QUEUE_WAIT,
@@ -51,6 +54,8 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerShuttingDownError,
     ServerState,
 )
+from tokenloom.lora.adapter import LoRAAdapterError
+from tokenloom.lora.peft_loader import read_peft_spec
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -110,6 +115,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=_env_names(env_default("served_model_name", None, str)),
                    help="model name(s) clients send and see; the first is the one reported and used as the "
                         "metrics' model_name, the others are aliases (default: the model argument)")
+    g.add_argument("--lora-modules", dest="lora_modules", nargs="+", default=None,
+                   help="LoRA adapters to serve (with --enable-lora), each name=path or a JSON object "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request picks one by its "
+                        "model field")
+    flag("allow_runtime_lora_updating", "open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     opt("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     flag("protect_metrics", "require the API key on /metrics too")
     opt("shutdown_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
@@ -351,6 +362,14 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
     args.served_model_name = names[0] if names else None
     config = EngineConfig.from_args(args)
     names = names or [config.model.served_model_name or config.model.model]
+    args.lora_module_list = parse_lora_modules(args.lora_modules)
+    if args.lora_module_list and not config.lora.enable_lora:
+        raise StartupError("--lora-modules needs --enable-lora")
+    for module in args.lora_module_list:  # the files, before the model loads (their shapes once it has)
+        try:
+            read_peft_spec(module.path)
+        except LoRAAdapterError as e:
+            raise StartupError(f"--lora-modules {module.name}: {e}") from None
     args.chat_template_text = read_chat_template(args.chat_template)
     if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
             os.path.join(args.generation_config, "generation_config.json")):
@@ -369,7 +388,9 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
                               protect_metrics=args.protect_metrics, max_body_bytes=args.max_request_body_bytes,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args))
+                              enable_ui=args.enable_ui, batch=BatchSettings.from_args(args),
+                              allow_runtime_lora_updating=(args.allow_runtime_lora_updating
+                                                           or runtime_updates_from_env()))
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -413,6 +434,14 @@ async def serve(args: argparse.Namespace) -> int:
                         trust_request_chat_template=args.trust_request_chat_template,
                         max_queue_wait=args.max_queue_wait,
                         max_expected_latency=args.max_expected_latency, stream_write_timeout=args.stream_write_timeout)
+    state.lora_models = LoRAModels(engine, names[0], config.lora.enable_lora)
+    for module in args.lora_module_list:
+        try:
+            await state.lora_models.add(module, names)
+        except BadRequestError as e:
+            engine.shutdown()
+            sock.close()
+            raise StartupError(f"--lora-modules {module.name}: {e.message}") from e
     if args.otlp_traces_endpoint:
         try:
             engine.tracer = init_tracer("tokenloom.api_server", args.otlp_traces_endpoint)

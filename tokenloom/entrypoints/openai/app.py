@@ -25,6 +25,7 @@ from tokenloom.entrypoints.openai.batch.routes import register_batch_routes
 from tokenloom.entrypoints.openai.batch.settings import BatchSettings
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
+from tokenloom.entrypoints.openai.lora_models import LoRAModels, register_lora_routes
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,7 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     enable_ui: bool = True  # the web page at / (--no-ui: off)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     batch: BatchSettings = field(default_factory=BatchSettings)  # /v1/files and /v1/batches
 
 
@@ -106,6 +108,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     tokenization = OpenAIServingTokenization(engine, names, state, fingerprint)
     embedding = OpenAIServingEmbedding(engine, names, state, fingerprint)
     created = int(time.time())
+    if state.lora_models is None:
+        state.lora_models = LoRAModels(engine, names[0], engine.config.lora.enable_lora)
+    lora_models = state.lora_models
 
     app = FastAPIOffline(title="tokenloom", version=tokenloom.__version__,
                          description="OpenAI-compatible API of the tokenloom inference engine.")
@@ -144,13 +149,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        return {"object": "list", "data": [model_card(n) for n in names] + lora_models.cards(created)}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id not in names:
+        if model_id in names:
+            return model_card(model_id)
+        card = next((c for c in lora_models.cards(created) if c["id"] == model_id), None)
+        if card is None:
             raise NotFoundError(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card(model_id)
+        return card
+
+    if settings.allow_runtime_lora_updating:
+        register_lora_routes(app, lora_models, names)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

@@ -1,6 +1,11 @@
 """The server's own state beside the engine: draining on shutdown, and the admission and timeout settings."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenloom.entrypoints.openai.lora_models import LoRAModels
+
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # Default --max-expected-latency: the overload test's flood (400 concurrent 64-token requests, client timeout 180 s)
 # is answered cleanly with a 3x margin for the estimate's error: the machine slowing down after admission,
@@ -37,6 +42,7 @@ class ServerState:
             else None
         self.stream_write_timeout = stream_write_timeout if stream_write_timeout and stream_write_timeout > 0 \
             else None
+        self.lora_models: LoRAModels | None = None  # the LoRA adapters served by name (--enable-lora)
 
 
 

@@ -96,7 +96,8 @@ class OpenAIServingChat(OpenAIServing):
                                       default_max_tokens=None)
         params = await apply_constraints(self, request, params, chat=True)
         engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
-                                             prompt_param="messages", data_parallel_rank=request.data_parallel_rank)
+                                             prompt_param="messages", data_parallel_rank=request.data_parallel_rank,
+                                             model=request.model)
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
                                    engine_request=engine_request, prompt_text=text, priority=request.priority,
                                    timeout=self.timeout_for(request), reservation=self.reservation())

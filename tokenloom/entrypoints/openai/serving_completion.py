@@ -46,10 +46,11 @@ class OpenAIServingCompletion(OpenAIServing):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str) and len(prompt) > 4096:  # tokenize long prompts off the event loop
                 er = await asyncio.to_thread(self.process_inputs, rid, prompt, params.clone(), request.priority,
-                                             request.cache_salt, param, request.data_parallel_rank)
+                                             request.cache_salt, param, request.data_parallel_rank, request.model)
             else:
                 er = self.process_inputs(rid, prompt, params.clone(), request.priority, request.cache_salt,
-                                         prompt_param=param, data_parallel_rank=request.data_parallel_rank)
+                                         prompt_param=param, data_parallel_rank=request.data_parallel_rank,
+                                         model=request.model)
             engine_requests.append(er)
             prompt_texts.append(prompt if isinstance(prompt, str)
                                 else self.tokenizer.decode(list(prompt), skip_special_tokens=False))

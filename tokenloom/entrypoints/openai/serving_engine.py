@@ -11,6 +11,7 @@ import logging
 import time
 
 from tokenloom.core.errors import RequestValidationError
+from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.messages import EngineCoreRequest
 from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
 from tokenloom.engine.admission import Reservation
@@ -73,9 +74,16 @@ class OpenAIServing:
                                           code="engine_dead", headers={"Retry-After": "10"})
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """404 unless `model` is one of the served names or a LoRA adapter's."""
+        if model is not None and model not in self.served_model_names and self.lora_for(model) is None:
+            adapters = list(self.state.lora_models.adapters) if self.state.lora_models is not None else []
             raise NotFoundError(f"The model `{model}` does not exist. Available: "
-                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+                                f"{', '.join(self.served_model_names + adapters)}", param="model",
+                                code="model_not_found")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model field names, or None (the base model)."""
+        return self.state.lora_models.resolve(model) if self.state.lora_models is not None else None
 
     def _rejected(self, reason: str) -> None:
         if self.engine.metrics is not None:
@@ -130,12 +138,15 @@ class OpenAIServing:
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int, cache_salt: str | None, prompt_param: str = "prompt",
-                       data_parallel_rank: int | None = None) -> EngineCoreRequest:
-        """Tokenize and validate one prompt; input errors become 400 naming the field."""
+                       data_parallel_rank: int | None = None, model: str | None = None) -> EngineCoreRequest:
+        """Tokenize and validate one prompt; input errors become 400 naming the field. `model`: the request's
+        model field, which may name a LoRA adapter."""
         try:
-            return self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                              arrival_time=time.time(), cache_salt=cache_salt,
-                                              data_parallel_rank=data_parallel_rank)
+            req = self.engine.process_inputs(request_id, prompt, params, priority=priority,
+                                             arrival_time=time.time(), cache_salt=cache_salt,
+                                             data_parallel_rank=data_parallel_rank)
+            req.lora_request = self.lora_for(model)
+            return req
         except RequestValidationError as e:
             param = e.param
             cause = e.__cause__ or e.__context__

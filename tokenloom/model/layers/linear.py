@@ -9,7 +9,9 @@
 - `RowParallelLinear`: the input dimension split; partial sums are all-reduced, then the bias added.
 
 Sharding happens in `load` (before any dtype cast or packing); the math is the layer's
-`LinearMethod`. At size 1 every layer holds the whole tensor and no collective runs.
+`LinearMethod`. At size 1 every layer holds the whole tensor and no collective runs. A layer serving LoRA
+adapters (`lora`, set by tokenloom/model/lora_slots.py) adds each row's adapter delta to its output, before a
+row-parallel layer's all-reduce.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenloom.distributed.parallel_state import all_reduce, tp_group
+from tokenloom.lora.layer import LoRALayer
 from tokenloom.model.layers.linear_method import UNQUANTIZED, LinearMethod, mixed_linear  # noqa: F401
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.profiler import PROFILER
@@ -29,6 +32,8 @@ class Linear(InferenceModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.method = method
+        self.in_features, self.out_features = in_features, out_features  # this rank's
+        self.lora: LoRALayer | None = None
 
     def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         _copy(self._param(name).data, tensor, name)
@@ -38,9 +43,21 @@ class Linear(InferenceModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not PROFILER.enabled:  # the common case skips the context manager (~120 calls a decode step)
-            return self.method.apply(self, x, self.bias)
-        with PROFILER.section("matmul"):
-            return self.method.apply(self, x, self.bias)
+            out = self.method.apply(self, x, self.bias)
+        else:
+            with PROFILER.section("matmul"):
+                out = self.method.apply(self, x, self.bias)
+        self._add_lora(out, x)
+        return out
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if self.lora is None or not self.lora.batch.active:
+            return
+        if not PROFILER.enabled:
+            self.lora.add(out, x)
+            return
+        with PROFILER.section("lora"):
+            self.lora.add(out, x)
 
 
 class ColumnParallelLinear(Linear):
@@ -106,6 +123,7 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         with PROFILER.section("matmul"):
             out = self.method.apply(self, x, None)
+        self._add_lora(out, x)  # on each rank's partial sum: the all-reduce sums the deltas' shares too
         with PROFILER.section("all_reduce"):
             all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)

@@ -39,8 +39,33 @@ TL.samplingParams = (prefix) => {
   }
   const stop = TL.$(prefix + "stop").value.split("\n").filter((s) => s.length);
   if (stop.length) body.stop = stop;
+  const model = TL.$("model-picker").value;
+  if (model) body.model = model;
   return body;
 };
+
+/* The model picker: /v1/models (the base model and any LoRA adapters, "parent" naming an adapter's base),
+   refreshed when opened so adapters loaded at run time appear. Hidden while there is only one model. */
+TL.loadModels = async () => {
+  if (!TL.ready()) return;
+  const picker = TL.$("model-picker");
+  let data;
+  try {
+    const r = await TL.api("v1/models");
+    if (!r.ok) return;
+    data = (await r.json()).data || [];
+  } catch (e) { return; }
+  const chosen = picker.value;
+  picker.replaceChildren(...data.map((m) => {
+    const o = TL.el("option", m.parent ? `${m.id} (LoRA on ${m.parent})` : m.id);
+    o.value = m.id;
+    return o;
+  }));
+  if (data.some((m) => m.id === chosen)) picker.value = chosen;
+  picker.hidden = data.length < 2;
+};
+TL.$("model-picker").addEventListener("focus", TL.loadModels);
+TL.loadModels();
 
 /* TTFT and TPOT as this page saw them (network included). */
 TL.timing = (t0, tFirst, tLast, tokens) => {
