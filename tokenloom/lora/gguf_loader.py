@@ -23,11 +23,13 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from tokenloom.core.lora_request import LoRARequest
 from tokenloom.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
 from tokenloom.lora.peft_loader import PeftAdapterSpec
-from tokenloom.model.loader.gguf_loader import PERMUTED_QK_ARCHS, unpermute_qk
 
 GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
                 "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _TENSOR_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+# The architectures whose q/k rows llama.cpp's converter reorders (the base loader's list: tokenloom/model/loader/
+# gguf_loader.py; this package sits below tokenloom.model, so it keeps its own).
+PERMUTED_QK_ARCHS = {"llama", "mistral"}
 _TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0}
 
 
@@ -89,6 +91,13 @@ def load_gguf_lora_adapter(lora: LoRARequest, num_heads: int | None = None,
         adapter.weights[(layer, target)] = LoRAWeights(a, b)
     adapter.check_weights()
     return adapter
+
+
+def unpermute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (each head's two rotary halves interleaved) on dim 0, as the base loader
+    does for the weights."""
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
 def _open(path: str | Path) -> GGUFReader:

@@ -36,7 +36,7 @@ _GEMMA3_LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Architectures whose GGUF converter interleaves q/k rows for llama.cpp's rope; undone here.
-PERMUTED_QK_ARCHS = {"llama", "mistral"}
+_PERMUTED_QK = {"llama", "mistral"}
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str:
@@ -102,9 +102,9 @@ class GGUFModelFile:
             name = hf_name(t.name, self.arch)
             if self.arch == "gemma3" and name.endswith("norm.weight"):
                 tensor = tensor - 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
-            if self.arch in PERMUTED_QK_ARCHS and (".q_proj." in name or ".k_proj." in name):
+            if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-                tensor = unpermute_qk(tensor, heads)
+                tensor = _unpermute(tensor, heads)
             yield name, tensor.to(dtype)
 
     def _repacked(self, t) -> tuple[str, QuantizedWeight]:
@@ -114,9 +114,9 @@ class GGUFModelFile:
         except Exception as exc:
             raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({exc})") from None
         name = hf_name(t.name, self.arch)
-        if self.arch in PERMUTED_QK_ARCHS and (".q_proj." in name or ".k_proj." in name):
+        if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.arch_config.num_heads if ".q_proj." in name else self.arch_config.num_kv_heads
-            weight = weight.index_rows(unpermute_qk(torch.arange(rows)[:, None], heads)[:, 0])
+            weight = weight.index_rows(_unpermute(torch.arange(rows)[:, None], heads)[:, 0])
         return name, weight
 
     @property
@@ -124,7 +124,6 @@ class GGUFModelFile:
         return len(self.reader.tensors)
 
 
-def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (each head's two rotary halves interleaved); rows are dim 0."""
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     shape = w.shape
     return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
