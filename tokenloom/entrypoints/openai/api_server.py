@@ -55,7 +55,7 @@ from tokenloom.entrypoints.openai.server_state import (
     ServerState,
 )
 from tokenloom.lora.adapter import LoRAAdapterError
-from tokenloom.lora.peft_loader import read_peft_spec
+from tokenloom.lora.adapter_files import read_adapter_spec
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -367,7 +367,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
         raise StartupError("--lora-modules needs --enable-lora")
     for module in args.lora_module_list:  # the files, before the model loads (their shapes once it has)
         try:
-            read_peft_spec(module.path)
+            read_adapter_spec(module.path)
         except LoRAAdapterError as e:
             raise StartupError(f"--lora-modules {module.name}: {e}") from None
     args.chat_template_text = read_chat_template(args.chat_template)
