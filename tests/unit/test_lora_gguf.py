@@ -51,10 +51,17 @@ def write_gguf_lora(adapter, config, path: str, qtype: str = "F32", arch: str = 
 
 
 @pytest.fixture(scope="module")
-def peft_adapter(tmp_path_factory):
-    hf = helpers.build_tiny_model("llama")
-    folder, _ = helpers.make_peft_adapter(hf, str(tmp_path_factory.mktemp("peft")), r=RANK, alpha=ALPHA, seed=3)
-    return load_peft_adapter(LoRARequest("peft", 1, folder)), hf.config
+def peft_made(tiny_models, tmp_path_factory):
+    """(the adapter as read from its PEFT folder, the tiny Llama's config, the PEFT model: the reference)."""
+    hf = tiny_models("llama")[1]
+    folder, peft_model = helpers.make_peft_adapter(hf, str(tmp_path_factory.mktemp("peft")), r=RANK, alpha=ALPHA,
+                                                   seed=3)
+    return load_peft_adapter(LoRARequest("peft", 1, folder)), hf.config, peft_model
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(peft_made):
+    return peft_made[:2]
 
 
 def _load(path: str, config):
@@ -121,3 +128,14 @@ def test_a_llama_file_training_q_needs_the_base_models_head_count(peft_adapter, 
     path = write_gguf_lora(adapter, config, str(tmp_path / "a.gguf"))
     with pytest.raises(LoRAAdapterError, match="head count"):
         load_gguf_lora_adapter(LoRARequest("gguf", 2, path))
+
+
+def test_the_engine_serving_the_gguf_file_matches_transformers_with_peft(peft_made, make_core, tmp_path):
+    adapter, config, reference = peft_made
+    path = write_gguf_lora(adapter, config, str(tmp_path / "a.gguf"))
+    core = make_core("llama", enable_lora=True)
+    prompt = helpers.random_prompts(1, [13], 512, seed=5)[0]
+    req = helpers.make_request("r", prompt, helpers.greedy_params(8))
+    req.lora_request = LoRARequest("gguf", 7, path)
+    core.add_request(req)
+    assert helpers.run_to_completion(core)[("r", 0)] == helpers.hf_greedy(reference, prompt, 8)
