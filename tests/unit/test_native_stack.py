@@ -78,10 +78,11 @@ def _prefilled(model, prompts, kv_dtype, extra: int = 0, fresh: list[list[int]] 
 
 
 @torch.inference_mode()
-def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] = (), prompts=PROMPTS):
+def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] = (), prompts=PROMPTS, lora=None):
     """One step, layer by layer and native, each on its own copy of the prefilled caches. With no
     `new_chunks`, a decode of every prompt; else a chunk of each length in `new_chunks`: the first starts a
-    new sequence, the others continue the last prompts past their cached tokens, and the other prompts decode."""
+    new sequence, the others continue the last prompts past their cached tokens, and the other prompts decode.
+    `lora` (attach_lora's ModelLoRA): the rows take slots -1, 0, 1, 2 in turn."""
     from tokenloom.model.layers.attention_backend import ScheduledSpan
     from tokenloom.model.layers.attention_native import NativeAttentionBackend
     from tokenloom.model.native_stack import NativeStack
@@ -105,8 +106,17 @@ def _step_both_ways(model, kv_dtype=torch.float32, new_chunks: tuple[int, ...] =
     meta = NativeAttentionBackend().build_metadata(spans, torch.tensor(slots))
     ids, pos = torch.tensor(ids), torch.tensor(pos)
     eager_caches, native_caches = [c.clone() for c in caches], [c.clone() for c in caches]
-    eager = model(ids, pos, eager_caches, meta)
-    native = NativeStack.build(model, "native").run(ids, pos, native_caches, meta)
+    stack_lora = None
+    if lora is not None:
+        from tokenloom.model.native_stack import StackLoRA
+        lora.batch.row_slots = torch.tensor([(-1, 0, 1, 2)[i % 4] for i in range(len(ids))], dtype=torch.int32)
+        stack_lora = StackLoRA(lora.targets, lora.batch.scaling, lora.batch.row_slots)
+    try:
+        eager = model(ids, pos, eager_caches, meta)
+    finally:
+        if lora is not None:
+            lora.batch.row_slots = None
+    native = NativeStack.build(model, "native").run(ids, pos, native_caches, meta, stack_lora)
     return eager, native, eager_caches, native_caches
 
 
@@ -114,6 +124,34 @@ def test_a_decode_step_matches_the_layer_by_layer_forward_bit_for_bit(quantized)
     eager, native, eager_caches, native_caches = _step_both_ways(quantized.model)
     assert torch.equal(native, eager)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, eager_caches))
+
+
+@pytest.fixture
+def random_lora(quantized):
+    """Three LoRA slots of rank 8 on every target of the session's model, random A and B; detached after."""
+    from tokenloom.lora.layer import LoRALayer
+    from tokenloom.model.lora_slots import attach_lora
+    model = quantized.model
+    lora = attach_lora(model, model.config, num_slots=3, max_rank=8, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for target in lora.targets.values():
+        target.a.copy_(torch.randn(target.a.shape, generator=g) * 0.05)
+        target.b.copy_(torch.randn(target.b.shape, generator=g) * 0.05)
+    lora.batch.scaling.copy_(torch.tensor([2.0, 0.5, 1.0]))
+    yield lora
+    for module in model.modules():
+        if isinstance(getattr(module, "lora", None), LoRALayer):
+            module.lora = None
+
+
+def test_a_step_with_lora_rows_matches_the_layer_by_layer_forward_with_the_torch_op(quantized, random_lora):
+    """Decodes, a new prompt and continued ones, their rows on three adapters and the base model, in one call."""
+    eager, native, eager_caches, native_caches = _step_both_ways(quantized.model, new_chunks=(21, 5, 33),
+                                                                 lora=random_lora)
+    assert torch.equal(native, eager)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, eager_caches))
+    _, base, _, _ = _step_both_ways(quantized.model, new_chunks=(21, 5, 33))
+    assert not torch.allclose(native[1::4], base[1::4], atol=1e-3)  # the adapters' rows did change
 
 
 def test_a_step_with_decodes_a_new_prompt_and_continued_ones_matches_too(quantized):

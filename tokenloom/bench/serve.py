@@ -98,6 +98,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=None, help="server host, when --base-url is not given (vLLM's flag)")
     g.add_argument("--port", type=int, default=None, help="server port, when --base-url is not given (vLLM's flag)")
     g.add_argument("--model", default=None, help="model name to send (default: the first id from GET /v1/models)")
+    g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME",
+                   help="LoRA adapters the server serves: request i names adapter i mod N as its model (vLLM's flag; "
+                        "it picks at random)")
     g.add_argument("--endpoint", type=_choice(ENDPOINT_PATHS, "endpoint"), default="completions",
                    help="completions (/v1/completions) or chat (/v1/chat/completions); the paths are accepted too; "
                         "default completions")
@@ -290,8 +293,10 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
                    seed: int = 0, ignore_eos: bool = False, temperature: float = 0.0,
                    headers: dict[str, str] | None = None, timeout: float = 600.0, progress: bool = True,
                    desc: str = "requests", transport: httpx.AsyncBaseTransport | None = None,
+                   lora_modules: Sequence[str] = (),
                    ) -> tuple[list[RequestResult], float]:
-    """Send every prompt; return the results (in prompt order) and the wall time (s)."""
+    """Send every prompt; return the results (in prompt order) and the wall time (s). With `lora_modules`,
+    prompt i names adapter i mod N instead of `model`, so a run spreads evenly over the adapters."""
     url = api + ENDPOINTS[endpoint]
     conns = max_concurrency or len(prompts)
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
@@ -308,7 +313,8 @@ async def run_load(prompts: Sequence[BenchPrompt], *, api: str, endpoint: str, m
         async def one(i: int, t0: float) -> None:
             nonlocal failures
             p = prompts[i]
-            payload = build_payload(endpoint, model, p, ignore_eos, temperature)
+            name = lora_modules[i % len(lora_modules)] if lora_modules else model
+            payload = build_payload(endpoint, name, p, ignore_eos, temperature)
             if sem is not None:
                 async with sem:
                     r = await send_request(client, url, payload, headers, t0)
@@ -397,7 +403,8 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         if warmup:
             wres, _ = asyncio.run(run_load(warmup, api=api, endpoint=ns.endpoint, model=model, max_concurrency=1,
                                            seed=ns.seed, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
-                                           headers=headers, timeout=ns.request_timeout, progress=False))
+                                           headers=headers, timeout=ns.request_timeout, progress=False,
+                                           lora_modules=ns.lora_modules))
             bad = [r for r in wres if not r.success]
             print(f"warm-up: {len(wres) - len(bad)}/{len(wres)} requests succeeded"
                   + (f" (first error: {bad[0].error})" if bad else ""), file=sys.stderr)
@@ -406,7 +413,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
             prompts, api=api, endpoint=ns.endpoint, model=model, max_concurrency=c,
             request_rate=ns.request_rate, burstiness=ns.burstiness, seed=ns.seed, ignore_eos=ns.ignore_eos,
             temperature=ns.temperature, headers=headers, timeout=ns.request_timeout,
-            progress=not ns.disable_tqdm, desc=f"concurrency {c if c else 'inf'}"))
+            progress=not ns.disable_tqdm, desc=f"concurrency {c if c else 'inf'}", lora_modules=ns.lora_modules))
         s = report.summarize(results, duration, slo, max_concurrency=c, request_rate=ns.request_rate,
                              burstiness=ns.burstiness)
         spec_after = fetch_spec_counters(root, headers)

@@ -1,6 +1,6 @@
 """The adapters an EngineCore has accepted, each checked against the model before any request uses it.
 
-A LoRA adapter is checked once, by its files' headers (tokenloom/lora/peft_loader.py `read_peft_spec`: the
+A LoRA adapter is checked once, by its files' headers (tokenloom/lora/adapter_files.py `read_adapter_spec`: the
 config and the tensors' shapes, no tensor data): rank within `--max-lora-rank`, every A/B pair the shape of
 the layer it attaches to. So a corrupt folder or an adapter trained on another base model is one clear error
 for the request (or the load call) that names it, and never a failed step that would touch other requests.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from tokenloom.config import LoRAConfig
 from tokenloom.core.lora_request import LoRARequest
 from tokenloom.lora.adapter import LoRAAdapterError
-from tokenloom.lora.peft_loader import read_peft_spec
+from tokenloom.lora.adapter_files import read_adapter_spec
 
 
 class LoRARegistry:
@@ -33,7 +33,7 @@ class LoRARegistry:
             return
         if not lora.lora_path:
             raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r} has no path")
-        spec = read_peft_spec(lora.lora_path)
+        spec = read_adapter_spec(lora.lora_path)
         missing = sorted({target for _, target, _ in spec.shapes} - set(self.target_shapes))
         if missing:
             raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r} trains {', '.join(missing)}, which this model "

@@ -10,10 +10,14 @@
 Rows are not sorted by adapter (a decode batch interleaves them), so the reference gathers each slot's
 rows, does the shrink (x @ A.T, rank wide) and the expand (@ B) as two small matmuls, and scatters the
 sum back: the segmented (Punica/S-LoRA) form, one pair of matmuls per adapter present in the batch.
+The native op (csrc/lora.cpp, `tokenloom::lora_add`) serves float32 CPU tensors when the kernels are loaded:
+it needs no gather, each row reads its own slot's A and B; the reference is its fallback and its test oracle.
 """
 from __future__ import annotations
 
 import torch
+
+from tokenloom import kernels
 
 
 def lora_add_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -30,4 +34,23 @@ def lora_add_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: torch.Tensor, row_slots: torch.Tensor) -> None:
     """Add each row's adapter delta to y in place."""
-    lora_add_reference(y, x, lora_a, lora_b, scaling, row_slots)
+    if native(y, x, lora_a, lora_b, scaling):
+        torch.ops.tokenloom.lora_add(y, x, lora_a, lora_b, scaling, row_slots)
+    else:
+        lora_add_reference(y, x, lora_a, lora_b, scaling, row_slots)
+
+
+def native(*tensors: torch.Tensor) -> bool:
+    """Whether the native op serves these tensors: kernels loaded, all float32 on the CPU, unit column stride."""
+    return (all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and tensors[0].stride(-1) == 1
+            and tensors[1].stride(-1) == 1 and kernels.enabled())
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("tokenloom::lora_add")
+    def _lora_add(y, x, lora_a, lora_b, scaling, row_slots):
+        return None
+
+
+if kernels.load():
+    _register_fake()

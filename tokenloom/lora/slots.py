@@ -15,15 +15,16 @@ import torch
 
 from tokenloom.core.lora_request import LoRARequest, LoRASlotLoad
 from tokenloom.lora.adapter import LoRAAdapter, LoRAAdapterError
+from tokenloom.lora.adapter_files import load_adapter
 from tokenloom.lora.layer import LoRABatch, LoRATarget
-from tokenloom.lora.peft_loader import load_peft_adapter
 
 AdapterReader = Callable[[LoRARequest], LoRAAdapter]
 
 
 def read_adapter(lora: LoRARequest) -> LoRAAdapter:
-    """An adapter from its files, whatever their format."""
-    return load_peft_adapter(lora)
+    """An adapter from its files, whatever their format (without the base model's head counts: the workers pass
+    a reader that has them)."""
+    return load_adapter(lora)
 
 
 class LoRASlots:

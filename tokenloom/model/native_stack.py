@@ -20,15 +20,27 @@ the layers' ops apart).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from tokenloom import kernels
+from tokenloom.lora.adapter import LORA_TARGETS
+from tokenloom.lora.layer import LoRATarget
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.stack_spec import NativeLayerSpec, NativeStackSpec, StackableModel
 from tokenloom.profiler import PROFILER
 
 logger = logging.getLogger("tokenloom.engine")
+
+
+@dataclass(frozen=True)
+class StackLoRA:
+    """A step's LoRA adapters for the op: the model's slot stacks by (layer, target) (fixed once attached:
+    loads copy into them), the per-slot scaling and each row's slot (-1: the base model)."""
+    targets: dict[tuple[int, str], LoRATarget]
+    scaling: torch.Tensor
+    row_slots: torch.Tensor
 
 
 class NativeStack:
@@ -56,6 +68,25 @@ class NativeStack:
         self.scale = first.scale
         self._modes: list[bool] | None = None
         self._layer_ints: list[int] = []
+        self._lora_targets: dict[tuple[int, str], LoRATarget] | None = None
+        self._lora_lists: tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]] = ([], [], [])
+
+    def lora_lists(self, targets: dict[tuple[int, str], LoRATarget]
+                   ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]:
+        """The op's per-layer LoRA lists (A stacks, B stacks, output columns; LORA_TARGETS' order), built once
+        for the model's targets."""
+        if targets is not self._lora_targets:
+            a: list[torch.Tensor | None] = []
+            b: list[torch.Tensor | None] = []
+            columns: list[int] = []
+            for layer in range(len(self.windows)):
+                for name in LORA_TARGETS:
+                    target = targets.get((layer, name))
+                    a.append(None if target is None else target.a)
+                    b.append(None if target is None else target.b)
+                    columns.append(0 if target is None else target.column)
+            self._lora_targets, self._lora_lists = targets, (a, b, columns)
+        return self._lora_lists
 
     def layer_ints(self) -> list[int]:
         """Per layer: its window, then (columns, bits, block size, int8 activations) of each linear. Rebuilt
@@ -84,18 +115,22 @@ class NativeStack:
     def can_run() -> bool:
         return not PROFILER.enabled
 
-    def op_args(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta) -> tuple:
+    def op_args(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,
+                lora: StackLoRA | None = None) -> tuple:
         """`tokenloom::decoder_stack`'s arguments for one step (`meta`: NativeAttentionMetadata)."""
+        lora_a, lora_b, lora_columns = self.lora_lists(lora.targets) if lora is not None else ([], [], [])
         return (self.embed_tokens(input_ids), positions, self.weights, self.layer_ints(), self.qkv_biases,
                 self.q_norms, self.k_norms, self.final_norm, self.rotary_cos, self.rotary_sin, kv_caches,
                 meta.slot_mapping, meta.num_decodes, meta.block_tables, meta.context_lens, meta.prefill_block_tables,
                 meta.prefill_query_starts, meta.prefill_context_lens, self.num_heads, self.num_kv_heads,
-                self.head_dim, self.eps, self.scale)
+                self.head_dim, self.eps, self.scale, lora_a, lora_b, lora_columns,
+                None if lora is None else lora.scaling, None if lora is None else lora.row_slots)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta) -> torch.Tensor:
-        """The final norm's output for the flat batch; `meta` is the native backend's NativeAttentionMetadata."""
-        return torch.ops.tokenloom.decoder_stack(*self.op_args(input_ids, positions, kv_caches, meta))
+            meta, lora: StackLoRA | None = None) -> torch.Tensor:
+        """The final norm's output for the flat batch; `meta` is the native backend's NativeAttentionMetadata;
+        `lora`: the step's adapters when some row uses one."""
+        return torch.ops.tokenloom.decoder_stack(*self.op_args(input_ids, positions, kv_caches, meta, lora))
 
 
 def _spec_or_reason(model, attention_backend_name: str) -> NativeStackSpec | str:

@@ -46,8 +46,9 @@ EAGER = ForwardPath("eager")
 
 def fast_path_takes_lora(kind: str) -> bool:
     """Whether a fast path ("native_stack", "cuda_graphs") computes a step some of whose rows use a LoRA adapter.
-    Neither carries the adapters' deltas yet, so such a step runs layer by layer (the linear layers add them)."""
-    return False
+    The native stack does (each linear adds its rows' deltas, csrc/decoder_stack.cpp); a CUDA graph does not
+    carry them, so such a step runs layer by layer (the linear layers add them)."""
+    return kind == "native_stack"
 
 
 def wants_cuda_graphs(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> bool:

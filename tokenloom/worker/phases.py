@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -22,6 +23,7 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.factory import make_worker_connector
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
+from tokenloom.lora.adapter_files import load_adapter
 from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend, ScheduledSpan
@@ -220,7 +222,8 @@ def build_runner(config: EngineConfig, plan: DevicePlan, weights: LoadedWeights,
     lora = None
     if weights.lora is not None:
         lora = LoRASlots(weights.lora.batch, weights.lora.targets, config.lora.max_lora_rank,
-                         config.lora.max_cpu_loras)
+                         config.lora.max_cpu_loras,
+                         partial(load_adapter, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads))
     return ModelRunner(model, kv.caches, kv.block_size, plan.device, attention, forward=forward, drafter=drafter,
                        pooling=weights.pooling, kv_connector=ConnectorHook(connector) if connector else None,
                        logits_processors=processors, lora=lora)

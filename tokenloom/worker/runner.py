@@ -22,6 +22,7 @@ from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
+from tokenloom.model.native_stack import StackLoRA
 from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.profiler import PROFILER
@@ -159,7 +160,8 @@ class ModelRunner:
         meta = batch.metadata(self.attention, self.device)
         ids_t, pos_t = batch.tensors(self.device)
         if fast and stack is not None and kv_layers is None and stack.can_run():
-            return stack.run(ids_t, pos_t, self.kv_caches, meta)
+            lora = None if row_slots is None else StackLoRA(self.lora.targets, self.lora.batch.scaling, row_slots)
+            return stack.run(ids_t, pos_t, self.kv_caches, meta, lora)
         if row_slots is None:
             return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
         self.lora.batch.row_slots = row_slots

@@ -58,7 +58,7 @@ from tokenloom.env_vars import vllm_dev_mode
 from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
 from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.lora.adapter import LoRAAdapterError
-from tokenloom.lora.peft_loader import read_peft_spec
+from tokenloom.lora.adapter_files import read_adapter_spec
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -370,7 +370,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
         raise StartupError("--lora-modules needs --enable-lora")
     for module in args.lora_module_list:  # the files, before the model loads (their shapes once it has)
         try:
-            read_peft_spec(module.path)
+            read_adapter_spec(module.path)
         except LoRAAdapterError as e:
             raise StartupError(f"--lora-modules {module.name}: {e}") from None
     args.chat_template_text = read_chat_template(args.chat_template)

@@ -40,6 +40,7 @@ using WriteKvFn = void(TensorCRef, TensorCRef, at::Tensor&, TensorCRef);
 using DecodeFn = at::Tensor(TensorCRef, TensorCRef, TensorCRef, TensorCRef, double, int64_t);
 using PrefillFn = void(TensorCRef, TensorCRef, TensorCRef, TensorCRef, TensorCRef, double, int64_t, at::Tensor&);
 using SiluMulFn = at::Tensor(TensorCRef);
+using LoraFn = void(at::Tensor&, TensorCRef, TensorCRef, TensorCRef, TensorCRef, TensorCRef);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find(const char* name) {
@@ -57,7 +58,36 @@ struct Ops {
   c10::TypedOperatorHandle<DecodeFn> decode = find<DecodeFn>("tokenloom::paged_attention_decode");
   c10::TypedOperatorHandle<PrefillFn> prefill = find<PrefillFn>("tokenloom::paged_attention_prefill");
   c10::TypedOperatorHandle<SiluMulFn> silu_and_mul = find<SiluMulFn>("tokenloom::silu_and_mul");
+  c10::TypedOperatorHandle<LoraFn> lora_add = find<LoraFn>("tokenloom::lora_add");
 };
+
+constexpr int64_t LORA_TARGETS_PER_LAYER = 7;  // q, k, v, o, gate, up, down
+
+// The step's LoRA adapters (tokenloom/lora/layer.py): per layer and target, the slot stacks A [slots, rank, in]
+// and B [slots, rank, out] (None where no adapter may train the target) and the column where the target's
+// output starts in its (fused) linear's output; the per-slot scaling and each row's slot (-1: base model).
+// Absent (no row_slots) when no row of the step uses an adapter.
+struct StepLora {
+  const OptionalTensors& a;
+  const OptionalTensors& b;
+  c10::IntArrayRef columns;
+  const c10::optional<at::Tensor>& scaling;
+  const c10::optional<at::Tensor>& row_slots;
+};
+
+// y += each row's adapter delta for targets [first, first + count) of layer l, as LoRALayer.add does after
+// the linear (after its bias).
+void add_lora(const Ops& o, at::Tensor& y, TensorCRef x, const StepLora& lora, int64_t l, int64_t first,
+              int64_t count) {
+  if (!lora.row_slots) return;
+  for (int64_t t = first; t < first + count; ++t) {
+    const int64_t i = l * LORA_TARGETS_PER_LAYER + t;
+    const c10::optional<at::Tensor> a = lora.a.get(i), b = lora.b.get(i);
+    if (!a) continue;
+    at::Tensor out = y.narrow(1, lora.columns[i], b->size(2));
+    o.lora_add.call(out, x, *a, *b, *lora.scaling, *lora.row_slots);
+  }
+}
 
 const Ops& ops() {
   static const Ops instance;
@@ -107,7 +137,10 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
                          const c10::optional<at::Tensor>& decode_tables,
                          const c10::optional<at::Tensor>& decode_lens, const c10::optional<at::Tensor>& prefill_tables,
                          const c10::optional<at::Tensor>& prefill_starts, const c10::optional<at::Tensor>& prefill_lens,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         const OptionalTensors& lora_a, const OptionalTensors& lora_b, c10::IntArrayRef lora_columns,
+                         const c10::optional<at::Tensor>& lora_scaling,
+                         const c10::optional<at::Tensor>& lora_row_slots) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER,
               "decoder_stack: ", WEIGHTS_PER_LAYER, " weight tensors a layer, one KV cache a layer");
@@ -123,6 +156,14 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
   TORCH_CHECK(num_decodes == embeddings.size(0) || (prefill_tables && prefill_starts && prefill_lens),
               "decoder_stack: prefill rows need their chunks' tables, starts and lengths");
   const StepAttention step{num_decodes, decode_tables, decode_lens, prefill_tables, prefill_starts, prefill_lens};
+  if (lora_row_slots) {
+    const int64_t n = layers * LORA_TARGETS_PER_LAYER;
+    TORCH_CHECK(lora_scaling && static_cast<int64_t>(lora_a.size()) == n && static_cast<int64_t>(lora_b.size()) == n &&
+                    static_cast<int64_t>(lora_columns.size()) == n,
+                "decoder_stack: LoRA rows need the scaling and, per layer, ", LORA_TARGETS_PER_LAYER,
+                " entries of lora_a, lora_b and lora_columns");
+  }
+  const StepLora lora{lora_a, lora_b, lora_columns, lora_scaling, lora_row_slots};
   const Ops& o = ops();
   const int64_t T = embeddings.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = embeddings, residual;
@@ -139,6 +180,7 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     at::Tensor qkv = linear(o, h, w, 2, ints, 1);
     const c10::optional<at::Tensor> qkv_bias = qkv_biases.get(l);
     if (qkv_bias) qkv.add_(*qkv_bias);
+    add_lora(o, qkv, h, lora, l, 0, 3);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -154,10 +196,14 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     at::Tensor cache = kv_caches[l];
     o.write_kv.call(k_rot, v, cache, slot_mapping);
     const at::Tensor attended = attend(o, q_rot, cache, step, scale, ints[0]);
-    const at::Tensor attn_out = linear(o, attended, w, 5, ints, 5);
+    at::Tensor attn_out = linear(o, attended, w, 5, ints, 5);
+    add_lora(o, attn_out, attended, lora, l, 3, 1);
     std::tie(h, residual) = o.add_rms_norm.call(attn_out, residual, w[1], eps);
-    const at::Tensor gate_up = linear(o, h, w, 8, ints, 9);
-    x = linear(o, o.silu_and_mul.call(gate_up), w, 11, ints, 13);
+    at::Tensor gate_up = linear(o, h, w, 8, ints, 9);
+    add_lora(o, gate_up, h, lora, l, 4, 2);
+    const at::Tensor activated = o.silu_and_mul.call(gate_up);
+    x = linear(o, activated, w, 11, ints, 13);
+    add_lora(o, x, activated, lora, l, 6, 1);
   }
   if (layers == 0) return o.rms_norm.call(x, final_norm, eps);
   return std::get<0>(o.add_rms_norm.call(x, residual, final_norm, eps));
@@ -170,7 +216,8 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
         "Tensor?[] q_norms, Tensor?[] k_norms, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, int num_decodes, Tensor? decode_tables, Tensor? decode_lens, Tensor? prefill_tables, "
         "Tensor? prefill_starts, Tensor? prefill_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "float scale) -> Tensor");
+        "float scale, Tensor?[] lora_a, Tensor?[] lora_b, int[] lora_columns, Tensor? lora_scaling, "
+        "Tensor? lora_row_slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("decoder_stack", &decoder_stack); }
