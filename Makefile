@@ -49,7 +49,8 @@ SOAK_CI ?= tests/unit/test_gemma3.py::test_gemma3_270m_greedy_is_token_identical
 	tests/e2e/test_pd_e2e.py \
 	tests/e2e/test_spec_decode_embedded.py::test_unseeded_sampling_has_the_same_distribution \
 	tests/e2e/test_admission.py::test_full_flood_default_flags \
-	tests/e2e/test_admission.py::test_clients_that_never_read_do_not_hold_admission
+	tests/e2e/test_admission.py::test_clients_that_never_read_do_not_hold_admission \
+	tests/unit/test_weight_updates.py::test_three_ranks_take_updates_from_disk_and_from_a_trainer
 soak-ci: setup-test
 	.venv/bin/python -m pytest -q --run-slow $(SOAK_CI) $(ARGS)
 

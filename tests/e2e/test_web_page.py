@@ -200,7 +200,7 @@ def test_engine_view_shows_the_running_request_and_counters_move(page):
 
 @pytest.mark.ui
 def test_stop_button_leaves_no_running_request(page, server):
-    aborted = metric_values(server.get("/metrics").text).get(
+    aborted = metric_values(server.get("/metrics", headers=auth()).text).get(
         'tokenloom:request_success_total{finished_reason="abort"}', 0)
     chat(page, "Write a very long story about a dragon and a loom.", max_tokens=1500, temperature=1.0)
     page.locator("#chat-log .msg.assistant .content").filter(has_text=re.compile(r"\S")).wait_for(timeout=60_000)
@@ -211,7 +211,8 @@ def test_stop_button_leaves_no_running_request(page, server):
     while (s := engine_status(server))["requests"] or s["running"]:
         assert time.time() < deadline, s
         time.sleep(0.2)
-    after = metric_values(server.get("/metrics").text)['tokenloom:request_success_total{finished_reason="abort"}']
+    metrics = metric_values(server.get("/metrics", headers=auth()).text)
+    after = metrics['tokenloom:request_success_total{finished_reason="abort"}']
     assert after == aborted + 1
 
 

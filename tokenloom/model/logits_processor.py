@@ -20,12 +20,15 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.model.sampling_row import SamplingRow
+
+if TYPE_CHECKING:  # the API process checks requests against these classes without loading torch
+    import torch
+
+    from tokenloom.model.sampling_row import SamplingRow
 
 
 class LogitsProcessor(ABC):

@@ -58,7 +58,6 @@ from tokenloom.env_vars import vllm_dev_mode
 from tokenloom.exposure.connections import ConnectionLimits, add_connection_args
 from tokenloom.exposure.cors import CorsSettings, add_cors_args
 from tokenloom.lora.adapter import LoRAAdapterError
-from tokenloom.lora.adapter_files import read_adapter_spec
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.tracing import TracingUnavailableError, init_tracer
 
@@ -369,6 +368,7 @@ def prepare(args: argparse.Namespace) -> tuple[EngineConfig, list[str], ServerSe
     if args.lora_module_list and not config.lora.enable_lora:
         raise StartupError("--lora-modules needs --enable-lora")
     for module in args.lora_module_list:  # the files, before the model loads (their shapes once it has)
+        from tokenloom.lora.adapter_files import read_adapter_spec  # lazy: its GGUF reader imports torch
         try:
             read_adapter_spec(module.path)
         except LoRAAdapterError as e:
