@@ -24,7 +24,7 @@ def test_the_bandwidth_passes_report_a_finite_positive_rate():
         assert math.isfinite(gbps) and gbps > 0
 
 
-@pytest.mark.skipif(not kernels.load(), reason="the panel cache holds weights loaded for the native kernels")
+@pytest.mark.skipif(not kernels.load(), reason="kernels: the panel cache holds weights loaded for the native kernels")
 def test_a_step_reads_every_loaded_weight_but_an_untied_embedding(tmp_path):
     tiny = build_tiny_llama(str(tmp_path / "tiny.gguf"))  # an untied head (output.weight)
     net = load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False, quantized=True).model
@@ -35,7 +35,7 @@ def test_a_step_reads_every_loaded_weight_but_an_untied_embedding(tmp_path):
     assert roofline.weight_bytes(mapped) == sum(w.nbytes for w in multiplied) + dense
 
 
-@pytest.mark.skipif(not kernels.load(), reason="the panel cache holds weights loaded for the native kernels")
+@pytest.mark.skipif(not kernels.load(), reason="kernels: the panel cache holds weights loaded for the native kernels")
 def test_the_kv_cache_bytes_are_keys_and_values_of_every_layer_at_the_context(tmp_path):
     tiny = build_tiny_llama(str(tmp_path / "tiny.gguf"))
     load_model(tiny.path, torch.float32, torch.device("cpu"), progress=False, quantized=True)

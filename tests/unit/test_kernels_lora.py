@@ -4,11 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom import kernels
 from tokenloom.kernels.lora_ops import lora_add, lora_add_reference
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not kernels.enabled(), reason="native kernels not loaded (TOKENLOOM_KERNELS=off?)")]
+pytestmark = pytest.mark.kernels
 
 
 def _case(rows: int, dim_in: int, dim_out: int, slots: int, rank: int, seed: int, base_every: int = 3):

@@ -13,7 +13,8 @@ from tokenloom.model.layers.quantized_linear import quantized_weights
 from tokenloom.model.loader import load_model, panel_cache
 from tokenloom.model.loader import weight_cache as wc
 
-pytestmark = pytest.mark.skipif(not kernels.load(), reason="quantized weights load for the native kernels only")
+pytestmark = pytest.mark.skipif(not kernels.load(),
+                                reason="kernels: quantized weights load for the native kernels only")
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +58,7 @@ def test_the_first_load_writes_the_panels_and_the_second_reads_the_same_weights(
         assert torch.equal(loaded_parameter(second.model, name), want), name
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="platform: reads Linux's /proc/self/maps")
 def test_without_huge_pages_the_weights_are_read_in_place_from_the_mapped_file(tiny, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_HUGE_PAGES", "off")
     _load(tiny.path)
