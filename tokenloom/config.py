@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from tokenloom.core.sampling_params import LOGPROBS_MODES
+from tokenloom.env_vars import is_true
 from tokenloom.structured.reasoning import REASONING_PARSERS
 from tokenloom.structured.tool_parsers import TOOL_PARSERS
 
@@ -535,7 +536,7 @@ def env_default(name: str, default, kind=str):
     if raw is None:
         return default
     if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        return is_true(raw)
     try:
         return kind(raw)
     except ValueError:

@@ -75,7 +75,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 
 
+def is_true(raw: str) -> bool:
+    """How every boolean variable reads: 1, true, yes or on (any case) is true."""
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_flag(name: str) -> bool:
+    return is_true(os.environ.get(name, ""))
+
+
 def vllm_dev_mode() -> bool:
     """vLLM's VLLM_SERVER_DEV_MODE=1: the development endpoints are open."""
-    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("VLLM_SERVER_DEV_MODE")
 

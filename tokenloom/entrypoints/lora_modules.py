@@ -3,10 +3,10 @@ them: `name=path`, or a JSON object `{"name": ..., "path": ..., "base_model_name
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 from tokenloom.config import ConfigError
+from tokenloom.env_vars import env_flag
 
 # vLLM's opt-in for POST /v1/load_lora_adapter and /v1/unload_lora_adapter; tokenloom's own is the
 # --allow-runtime-lora-updating flag (TOKENLOOM_ALLOW_RUNTIME_LORA_UPDATING).
@@ -53,4 +53,4 @@ def parse_lora_modules(values: list[str] | None, flag: str = "--lora-modules") -
 
 
 def runtime_updates_from_env() -> bool:
-    return os.environ.get(VLLM_RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(VLLM_RUNTIME_UPDATES_ENV)

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from tokenloom.core.lora_request import LoRARequest
+from tokenloom.gguf_layout import unpermute_qk
 from tokenloom.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
 from tokenloom.lora.peft_loader import PeftAdapterSpec
 
@@ -91,13 +92,6 @@ def load_gguf_lora_adapter(lora: LoRARequest, num_heads: int | None = None,
         adapter.weights[(layer, target)] = LoRAWeights(a, b)
     adapter.check_weights()
     return adapter
-
-
-def unpermute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (each head's two rotary halves interleaved) on dim 0, as the base loader
-    does for the weights."""
-    shape = rows.shape
-    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
 def _open(path: str | Path) -> GGUFReader:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
+from tokenloom.gguf_layout import unpermute_qk
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.loader.gguf_repack import SUPPORTED, repack
@@ -103,7 +104,7 @@ class GGUFModelFile:
                 tensor = tensor - 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
             if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-                tensor = _unpermute(tensor, heads)
+                tensor = unpermute_qk(tensor, heads)
             yield name, tensor.to(dtype)
 
     def _repacked(self, t) -> tuple[str, QuantizedWeight]:
@@ -115,7 +116,7 @@ class GGUFModelFile:
         name = self._hf_name(t.name)
         if self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.arch_config.num_heads if ".q_proj." in name else self.arch_config.num_kv_heads
-            weight = weight.index_rows(_unpermute(torch.arange(rows)[:, None], heads)[:, 0])
+            weight = weight.index_rows(unpermute_qk(torch.arange(rows)[:, None], heads)[:, 0])
         return name, weight
 
     def _hf_name(self, gguf_name: str) -> str:
@@ -125,8 +126,3 @@ class GGUFModelFile:
     @property
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
-
-
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    shape = w.shape
-    return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
