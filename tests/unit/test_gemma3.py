@@ -24,7 +24,6 @@ from tokenloom.tokenizer import Tokenizer
 
 WINDOW = helpers.TINY_GEMMA3_WINDOW
 LOGIT_TOL = 5e-5
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
 @pytest.fixture(scope="module")
