@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from tokenloom.core.sampling_params import LOGPROBS_MODES
 from tokenloom.env_vars import is_true
@@ -178,6 +178,43 @@ DEFAULT_MASTER_PORT = 29500  # torch.distributed's own default
 
 
 @dataclass
+class EPLBConfig:
+    """vLLM's --eplb-config: every `step_interval` steps the experts are re-placed over the expert-parallel
+    ranks from the tokens routed to each in the last `window_size` steps, with `num_redundant_experts` extra
+    copies of the busiest (tokenloom.distributed.eplb). FastDeploy's eplb_config spells the replica count
+    `redundant_experts_num` and may carry `enable_eplb`."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False  # log each re-placement's load figures at INFO (else DEBUG)
+    enable_eplb: bool | None = None  # FastDeploy's switch inside its eplb_config
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"eplb_config {name} must be an int >= 1 (got {value!r})")
+        _check(isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,
+               f"eplb_config num_redundant_experts must be an int >= 0 (got {self.num_redundant_experts!r})")
+
+    @classmethod
+    def parse(cls, value) -> "EPLBConfig | None":
+        """From a dict, a JSON string (the CLI flag), an instance or None; FastDeploy's key renamed."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--eplb-config is not valid JSON: {e}") from None
+        if isinstance(value, dict) and "redundant_experts_num" in value:
+            _check("num_redundant_experts" not in value,
+                   "eplb_config has both num_redundant_experts and FastDeploy's redundant_experts_num")
+            value = {**value}
+            value["num_redundant_experts"] = value.pop("redundant_experts_num")
+        return parse_json_config(cls, value, "eplb_config")
+
+
+@dataclass
 class ParallelConfig:
     """How many ranks share the model, and how they are started (vLLM's flag names)."""
 
@@ -195,6 +232,11 @@ class ParallelConfig:
     # (tokenloom.distributed.expert_parallel); placement linear | round_robin (None: linear).
     enable_expert_parallel: bool = False
     expert_placement_strategy: str | None = None
+    # Expert parallel load balancing (tokenloom.distributed.eplb): vLLM's --enable-eplb, --eplb-config and
+    # --num-redundant-experts (the same as eplb_config's key; FastDeploy's eplb_config spellings are accepted).
+    enable_eplb: bool = False
+    eplb_config: EPLBConfig | None = None
+    num_redundant_experts: int | None = None
     # Engine replicas behind one API server (engine/dp_client.py); each runs its own TP group.
     data_parallel_size: int = 1
 
@@ -225,6 +267,37 @@ class ParallelConfig:
                f"expert_placement_strategy must be linear or round_robin (got {self.expert_placement_strategy!r})")
         _check(self.expert_placement_strategy is None or self.enable_expert_parallel,
                "expert_placement_strategy applies only with enable_expert_parallel (--enable-expert-parallel)")
+        self._check_eplb()
+
+    def _check_eplb(self) -> None:
+        self.eplb_config = EPLBConfig.parse(self.eplb_config)
+        if self.eplb_config is not None and self.eplb_config.enable_eplb is not None:
+            self.enable_eplb = self.enable_eplb or self.eplb_config.enable_eplb  # FastDeploy's key
+        _check(not self.enable_eplb or self.enable_expert_parallel,
+               "enable_eplb balances the experts of expert parallelism: it needs enable_expert_parallel "
+               "(--enable-expert-parallel)")
+        _check(self.enable_eplb or (self.eplb_config is None and self.num_redundant_experts is None),
+               "eplb_config and num_redundant_experts apply only with enable_eplb (--enable-eplb)")
+        if self.num_redundant_experts is None:
+            return
+        _check(isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,
+               f"num_redundant_experts must be an int >= 0 (got {self.num_redundant_experts!r})")
+        in_json = self.eplb_config.num_redundant_experts if self.eplb_config is not None else 0
+        _check(in_json in (0, self.num_redundant_experts),
+               f"num_redundant_experts {self.num_redundant_experts} contradicts eplb_config's {in_json}")
+        self.eplb_config = replace(self.eplb_config or EPLBConfig(), num_redundant_experts=self.num_redundant_experts)
+
+    @property
+    def eplb(self) -> EPLBConfig | None:
+        """The load balancer's settings when it is on, else None."""
+        if not self.enable_eplb:
+            return None
+        return self.eplb_config or EPLBConfig()
+
+    @property
+    def redundant_experts(self) -> int:
+        """Physical expert slots beyond one per expert, over all ranks (0 without the balancer)."""
+        return self.eplb.num_redundant_experts if self.eplb is not None else 0
 
     @property
     def world_size(self) -> int:
@@ -619,6 +692,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "(default: slice every expert)")
     opt("expert_placement_strategy", str, "with --enable-expert-parallel: linear (rank r holds a contiguous "
         "range of experts; default) | round_robin (expert e on rank e %% size)")
+    g.add_argument("--enable-eplb", dest="enable_eplb", action="store_true",
+                   default=env_default("enable_eplb", None, bool),
+                   help="with --enable-expert-parallel: re-place the experts over the ranks from the load they "
+                        "saw, between steps (docs/parallelism.md)")
+    opt("eplb_config", str, 'the load balancer, as JSON: {"window_size": 1000, "step_interval": 3000, '
+        '"num_redundant_experts": 0, "log_balancedness": false}: every step_interval steps, place the experts by '
+        "the tokens routed to each over the last window_size steps, with num_redundant_experts extra copies of "
+        "the busiest (FastDeploy's redundant_experts_num is accepted)")
+    opt("num_redundant_experts", int, "with --enable-eplb: extra expert copies over all ranks (the same as "
+        "--eplb-config's num_redundant_experts; default 0)")
     opt("kv_transfer_config", str, 'KV transfer for prefill/decode disaggregation, as JSON: {"kv_connector": '
         '"ZmqConnector", "kv_role": "kv_producer|kv_consumer|kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, '
         '"kv_transport": "tcp|ipc", "kv_load_failure_policy": "recompute|fail", "kv_lease_s": 60, '

@@ -119,6 +119,17 @@ class SampledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
 
 
+class ExpertLoadReport(msgspec.Struct, kw_only=True):
+    """The expert load balancer's figures at a re-placement (tokenloom.worker.expert_balancer). Imbalance is the
+    max / mean of the tokens each rank's experts computed (1.0: even), averaged over the MoE layers."""
+
+    rebalances: int  # re-placements so far
+    experts_moved: int  # expert copies that changed rank, so far
+    window_steps: int  # steps the figures cover
+    imbalance: float  # measured over the window, under the placement it ran with
+    planned_imbalance: float  # the same window's load under the new placement
+
+
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Per scheduled key that sampled: one entry per sequence (n > 1 forks sample all siblings at once).
     sampled: dict[str, list[SampledSequence]] = {}
@@ -128,3 +139,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     draft_token_ids: dict[str, list[int]] = {}
     pooled: dict[str, list[float]] = {}  # embedding requests computed this step: key -> embedding
     kv_connector: KVConnectorOutput | None = None  # transfers sent, loads failed
+    expert_load: ExpertLoadReport | None = None  # the step after which the experts were re-placed

@@ -36,12 +36,19 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_offload_blocks: int | None = None
     kv_offload_saved: int | None = None
     kv_offload_loaded: int | None = None
+    # The expert load balancer (--enable-eplb): re-placements and expert copies moved so far; the latest
+    # window's load max/mean per rank, measured and as the new placement plans it.
+    eplb_rebalances: int | None = None
+    eplb_experts_moved: int | None = None
+    eplb_imbalance: float | None = None
+    eplb_planned_imbalance: float | None = None
 
 
 # The fields summed over data-parallel replicas when they are set (None stays None).
 _OPTIONAL_COUNTS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_transfer_leases",
                     "kv_transfer_pulling", "kv_transfer_sent", "kv_transfer_expired", "kv_offload_blocks",
-                    "kv_offload_saved", "kv_offload_loaded")
+                    "kv_offload_saved", "kv_offload_loaded", "eplb_rebalances", "eplb_experts_moved")
+_OPTIONAL_WORST = ("eplb_imbalance", "eplb_planned_imbalance")  # the most imbalanced replica's
 _COUNTS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queries",
            "prefix_cache_hits", "num_preemptions", "generation_tokens", "prompt_tokens", "steps", "batched_tokens")
 
@@ -61,6 +68,9 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
     for name in _OPTIONAL_COUNTS:
         values = [getattr(s, name) for s in stats if getattr(s, name) is not None]
         setattr(total, name, sum(values) if values else None)
+    for name in _OPTIONAL_WORST:
+        values = [getattr(s, name) for s in stats if getattr(s, name) is not None]
+        setattr(total, name, max(values) if values else None)
     per_pos = [s.spec_num_accepted_tokens_per_pos for s in stats if s.spec_num_accepted_tokens_per_pos is not None]
     if per_pos:
         total.spec_num_accepted_tokens_per_pos = [sum(column) for column in zip(*per_pos)]

@@ -15,7 +15,9 @@ experts instead of reducing a full [tokens, hidden] tensor.
 
 Placement (vLLM's `--expert-placement-strategy`): `linear` gives rank r the experts
 [r*E/p, (r+1)*E/p); `round_robin` gives it every expert e with e % p == r, which spreads
-neighbouring experts (often co-activated in trained models) over ranks.
+neighbouring experts (often co-activated in trained models) over ranks. That is the start; with
+`--enable-eplb` the load balancer (tokenloom.distributed.eplb) re-places them as the load shifts, over
+E + R physical slots: R redundant copies, R/p on each rank.
 """
 from __future__ import annotations
 
@@ -42,6 +44,20 @@ class ExpertPlacement:
             return list(range(self.rank, self.num_experts, self.size))
         return list(range(self.rank * per_rank, (self.rank + 1) * per_rank))
 
+    def physical_experts(self, redundant: int) -> list[int]:
+        """The expert in each of the E + `redundant` physical slots, rank after rank, as the load balancer
+        starts: each rank's experts of the strategy, then its redundant/size spare slots, filled with copies of
+        the next ranks' experts (so every slot holds a usable expert and no rank holds one twice)."""
+        spare = redundant // self.size
+        slots = []
+        for rank in range(self.size):
+            others = [e for step in range(1, self.size)
+                      for e in ExpertPlacement(self.num_experts, (rank + step) % self.size, self.size,
+                                               self.strategy).local_experts()]
+            own = ExpertPlacement(self.num_experts, rank, self.size, self.strategy).local_experts()
+            slots += own + others[:spare]
+        return slots
+
     def expert_map(self) -> torch.Tensor:
         """[num_experts] int64: the local index of each global expert, -1 where another rank holds it."""
         table = torch.full((self.num_experts,), -1, dtype=torch.long)
@@ -54,15 +70,19 @@ class ExpertPlacement:
 class ExpertParallelSettings:
     enabled: bool = False
     strategy: str = "linear"
+    load_balancing: bool = False  # --enable-eplb: the experts move between ranks as their load shifts
+    redundant_experts: int = 0  # physical slots beyond one per expert, over all ranks
 
 
 _SETTINGS = ExpertParallelSettings()
 
 
-def init_expert_parallel(enabled: bool, strategy: str | None = None) -> None:
+def init_expert_parallel(enabled: bool, strategy: str | None = None, load_balancing: bool = False,
+                         redundant_experts: int = 0) -> None:
     """Set once by the worker, after it joined the tensor-parallel group and before it builds the model."""
     global _SETTINGS
-    _SETTINGS = ExpertParallelSettings(enabled, strategy or "linear")
+    _SETTINGS = ExpertParallelSettings(enabled, strategy or "linear", enabled and load_balancing,
+                                       redundant_experts if enabled and load_balancing else 0)
 
 
 def expert_parallel_settings() -> ExpertParallelSettings:

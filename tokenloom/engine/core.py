@@ -10,7 +10,7 @@ import time
 import torch
 
 from tokenloom.config import EngineConfig
-from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.contract import ExpertLoadReport, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.request import Request
@@ -55,6 +55,7 @@ class EngineCore:
         self.faults = FaultInjector.from_env()  # tests only (TOKENLOOM_FAULTS)
         self.structured = StructuredEngine(self.info.model_path, self.info.vocab_size, config.reasoning_parser)
         self.weights = WeightControl(self.kv_manager)
+        self.expert_load: ExpertLoadReport | None = None  # the latest re-placement's figures (--enable-eplb)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -190,6 +191,8 @@ class EngineCore:
         return self.executor.execute_model(step)
 
     def update(self, step: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if result.expert_load is not None:
+            self.expert_load = result.expert_load
         return self.scheduler.update_from_output(step, result, self.max_model_len)
 
     # ---- observability ----------------------------------------------------------
@@ -206,6 +209,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "generation_tokens": self.scheduler.num_generation_tokens,
             **self._spec_stats(),
+            **self._expert_load_stats(),
             **self.scheduler.connector.stats(),
             **self.counters,
         }
@@ -217,6 +221,13 @@ class EngineCore:
         return {"spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
                 "spec_num_accepted_tokens_per_pos": list(s.spec_num_accepted_tokens_per_pos)}
+
+    def _expert_load_stats(self) -> dict:
+        load = self.expert_load
+        if load is None:
+            return {}
+        return {"eplb_rebalances": load.rebalances, "eplb_experts_moved": load.experts_moved,
+                "eplb_imbalance": load.imbalance, "eplb_planned_imbalance": load.planned_imbalance}
 
     def _maybe_log(self, tokens: int) -> None:
         interval = self.config.log_stats_interval

@@ -44,7 +44,8 @@ class MultiprocExecutor(Executor):
             raise ConfigError("only node 0 runs the engine; start other nodes with `tokenloom serve ... "
                               f"--node-rank {parallel.node_rank}`, which runs their workers")
         read_arch_config(config.model.model).check_tensor_parallel(parallel.world_size,
-                                                                   parallel.enable_expert_parallel)
+                                                                   parallel.enable_expert_parallel,
+                                                                   parallel.redundant_experts)
         self.config = config
         self.ctx = zmq.Context()
         self.to_rank0 = self.ctx.socket(zmq.PUSH)

@@ -87,7 +87,7 @@ class ArchConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
+    def check_tensor_parallel(self, size: int, expert_parallel: bool = False, redundant_experts: int = 0) -> None:
         """Raise a one-line ConfigError naming the numbers when `size` ranks cannot share this model."""
         problems = []
         if self.num_heads % size:
@@ -102,15 +102,25 @@ class ArchConfig:
         if problems:
             raise ConfigError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
         if expert_parallel:
-            self.check_expert_parallel(size)
+            self.check_expert_parallel(size, redundant_experts)
 
-    def check_expert_parallel(self, size: int) -> None:
+    def check_expert_parallel(self, size: int, redundant_experts: int = 0) -> None:
+        """`redundant_experts`: the load balancer's extra copies (tokenloom.distributed.eplb), shared out evenly;
+        a rank holds at most one copy of each expert, so it cannot have more slots than the model has experts."""
         if not self.num_experts:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model ({self.architecture} "
                               f"has no experts)")
         if self.num_experts % size:
             raise ConfigError(f"expert parallel over {size} ranks does not divide the model's {self.num_experts} "
                               f"experts")
+        if redundant_experts % size:
+            raise ConfigError(f"num_redundant_experts {redundant_experts} does not divide over {size} expert-parallel "
+                              f"ranks")
+        per_rank = (self.num_experts + redundant_experts) // size
+        if per_rank > self.num_experts:
+            raise ConfigError(f"num_redundant_experts {redundant_experts} gives each of {size} ranks {per_rank} "
+                              f"expert slots, more than the model's {self.num_experts} experts (at most "
+                              f"{self.num_experts * (size - 1)})")
 
     @classmethod
     def from_hf(cls, cfg: JsonObject) -> "ArchConfig":

@@ -26,6 +26,7 @@ from tokenloom.kv_transfer.rank_reports import group_info
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.loader.tensor_source import TensorSource
+from tokenloom.worker.expert_balancer import ExpertBalancer
 from tokenloom.worker.forward_path import choose_forward_path
 from tokenloom.worker.kv_cache import KVCache, size_kv_cache
 from tokenloom.worker.phases import (
@@ -70,6 +71,7 @@ class Worker:
         self.phase_seconds: dict[str, float] = {}
         self.weights_path = config.model.model  # what level-2 sleep reloads on wake: the last path served
         self.sync_group: ProcessGroup | None = None  # a trainer's weight-sync group, once joined
+        self.balancer: ExpertBalancer | None = None  # --enable-eplb: re-places the experts between steps
 
     # ---- start-up ---------------------------------------------------------------------------------------------
     def run_phase(self, name: str) -> None:
@@ -92,7 +94,8 @@ class Worker:
             parallel = self.config.parallel
             init_tensor_parallel(self.rank, parallel.world_size, parallel.master_addr, self.master_port or 0,
                                  pick_device(self.config.model.device))
-            init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy)
+            init_expert_parallel(parallel.enable_expert_parallel, parallel.expert_placement_strategy,
+                                 parallel.enable_eplb, parallel.redundant_experts)
         self.plan = init_device(self.config)
 
     def _load_model(self) -> None:
@@ -117,6 +120,7 @@ class Worker:
         self.setup = WorkerSetup(self.weights.target, self.runner, plan.device, plan.dtype, kv.num_blocks,
                                  kv.block_size, kv.max_model_len, seconds)
         self.setup.log()
+        self.balancer = ExpertBalancer.for_model(self.weights.target.model, self.config.parallel.eplb)
 
     def info(self) -> WorkerInfo:
         setup = self.setup
@@ -144,7 +148,12 @@ class Worker:
         return self.runner.kv_connector if self.runner is not None else None
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute(step)
+        out = self.runner.execute(step)
+        if self.balancer is not None and step.num_scheduled_tokens:
+            report = self.balancer.after_step()
+            if out is not None:
+                out.expert_load = report
+        return out
 
     # ---- weights and memory, between steps (training loops) -----------------------------------------------
     def update_weights_from_path(self, path: str) -> None:
@@ -219,6 +228,7 @@ class Worker:
                                       kv.caches, kv.max_model_len, plan.cuda_graphs)
         forward.capture(progress=False)
         self.runner.swap_model(loaded.model, forward)
+        self.balancer = ExpertBalancer.for_model(loaded.model, self.config.parallel.eplb)
         release_free_heap()
 
     def shutdown(self) -> None:

@@ -7,7 +7,10 @@ rows) and `w2` [experts, hidden, intermediate], loaded per expert (HF checkpoint
 - expert parallel off: every rank holds every expert and a 1/p slice of each expert's intermediate
   dimension (gate/up rows, down columns), as `MergedColumnParallelLinear` + `RowParallelLinear` do
   for a dense MLP;
-- expert parallel on: each rank holds whole experts (tokenloom.distributed.expert_parallel).
+- expert parallel on: each rank holds whole experts (tokenloom.distributed.expert_parallel);
+- with the load balancer too (`--enable-eplb`): each rank holds (E + R)/p physical slots, some of them
+  copies of busy experts, routed by `ExpertReplicas`; `place` moves the weights to a new placement
+  between steps.
 
 Either way the rank's output is a partial sum over the group, combined by one all-reduce.
 
@@ -25,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.distributed.expert_moves import exchange_experts, plan_moves
 from tokenloom.distributed.expert_parallel import ExpertPlacement, expert_parallel_settings
 from tokenloom.distributed.parallel_state import all_reduce, tp_group
+from tokenloom.model.layers.expert_replicas import ExpertReplicas
 from tokenloom.model.layers.linear_method import mixed_linear
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.onednn_layout import pack_weight
@@ -115,8 +120,16 @@ class FusedMoE(InferenceModule):
             self.placement = ExpertPlacement(num_experts)
             self.intermediate_size = intermediate_size // self.tp.size
             self.intermediate_start = self.tp.rank * self.intermediate_size
-        self.local_experts = {e: i for i, e in enumerate(self.placement.local_experts())}
-        local = len(self.local_experts)
+        self.replicas: ExpertReplicas | None = None
+        held = self.placement.local_experts()
+        if settings.enabled and settings.load_balancing:
+            self.replicas = ExpertReplicas(self.placement.physical_experts(settings.redundant_experts), num_experts,
+                                           self.tp.rank, self.tp.size)
+            held = self.replicas.local_experts()
+        self.local_slots: dict[int, list[int]] = {}  # expert -> the local slots that hold it (as loaded)
+        for index, expert in enumerate(held):
+            self.local_slots.setdefault(expert, []).append(index)
+        local = len(held)
         self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate_size), requires_grad=False)
         self.method = method
@@ -125,8 +138,9 @@ class FusedMoE(InferenceModule):
 
     @property
     def expert_map(self) -> torch.Tensor | None:
-        """Global expert id -> local index or -1; None when this rank holds every expert (no lookup)."""
-        if len(self.local_experts) == self.num_experts:
+        """Global expert id -> local index or -1; None when this rank holds every expert (no lookup) or the load
+        balancer's replicas already routed the ids to local slots."""
+        if self.replicas is not None or len(self.local_slots) == self.num_experts:
             return None
         if self._expert_map is None or self._expert_map.device != self.w13.device:
             with torch.device(self.w13.device):  # not a buffer: the loader builds the model on the meta device
@@ -146,15 +160,16 @@ class FusedMoE(InferenceModule):
         if tensor.shape[0] != self.num_experts:
             raise ValueError(f"stacked expert tensor {name!r} has {tensor.shape[0]} experts, the model "
                              f"{self.num_experts}")
-        for expert in self.local_experts:
+        for expert in self.local_slots:
             self._load_expert(expert, proj, tensor[expert])
 
     def _load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
-        index = self.local_experts.get(expert)
         if expert >= self.num_experts:
             raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
-        if index is None:  # another rank holds it
-            return
+        for index in self.local_slots.get(expert, ()):  # none: another rank holds it
+            self._load_slot(index, expert, proj, tensor)
+
+    def _load_slot(self, index: int, expert: int, proj: str, tensor: torch.Tensor) -> None:
         size, start = self.intermediate_size, self.intermediate_start
         if proj == "gate_up_proj":
             half = tensor.shape[0] // 2
@@ -170,11 +185,40 @@ class FusedMoE(InferenceModule):
                 reduce_results: bool = True) -> torch.Tensor:
         """This rank's partial sum, all-reduced over the group unless the caller adds more to it first."""
         with PROFILER.section("matmul"):
+            if self.replicas is not None:
+                topk_ids = self.replicas.route(topk_ids)
             out = self.method.apply(self, x, topk_weights, topk_ids)
         if reduce_results and self.tp.size > 1:
             with PROFILER.section("all_reduce"):
                 all_reduce(out)
         return out
+
+    # ---- the load balancer's moves, between steps -----------------------------------------------------------
+    def read_slot(self, index: int) -> list[torch.Tensor]:
+        """Local slot `index`'s [w13, w2], dense (a prepacked weight is unpacked: the same values)."""
+        if self.packed is not None:
+            return [self.packed[0][index].to_dense(), self.packed[1][index].to_dense()]
+        return [self.w13.data[index], self.w2.data[index]]
+
+    def write_slot(self, index: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        if self.packed is not None:
+            self.packed[0][index], self.packed[1][index] = pack_weight(w13), pack_weight(w2)
+        else:
+            self.w13.data[index].copy_(w13)
+            self.w2.data[index].copy_(w2)
+
+    def place(self, slots: list[int]) -> int:
+        """Serve the load balancer's placement `slots` (physical slot -> expert, all ranks; every rank calls this
+        with the same one); returns how many expert copies changed rank."""
+        replicas = self.replicas
+        moves = plan_moves(replicas.slots, slots, self.tp.size)
+        for index, (w13, w2) in exchange_experts(moves, replicas.per_rank, self.tp.rank, self.read_slot).items():
+            self.write_slot(index, w13, w2)
+        replicas.update(slots)
+        self.local_slots = {}
+        for index, expert in enumerate(replicas.local_experts()):
+            self.local_slots.setdefault(expert, []).append(index)
+        return sum(move.source // replicas.per_rank != move.slot // replicas.per_rank for move in moves)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

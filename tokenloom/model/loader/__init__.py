@@ -148,7 +148,8 @@ def _empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device,
                  attention: AttentionBackend | None) -> torch.nn.Module:
     """The model's modules with uninitialized parameters and computed buffers, checked against the parallel
     layout."""
-    arch.check_tensor_parallel(tp_group().size, expert_parallel_settings().enabled)
+    settings = expert_parallel_settings()
+    arch.check_tensor_parallel(tp_group().size, settings.enabled, settings.redundant_experts)
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         net = cls(arch, attention or standalone_attention_backend(device, dtype))
