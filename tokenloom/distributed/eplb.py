@@ -9,7 +9,8 @@ EPLB without expert groups:
 1. replicate: R times, the expert with the most load per copy gets one more copy (at most one per rank);
 2. pack: every copy, heaviest first, goes to the least loaded rank with a free slot and no copy of it yet;
 3. stay put: the packed contents go to the ranks that already hold most of them, and an expert that stays
-   on its rank keeps its slot, so only the experts that change rank cross the network.
+   on its rank keeps its slot, so only the experts that change rank cross the network; and a placement
+   that would balance no better than the current one is not taken at all.
 
 Pure functions of lists: the worker calls them on rank 0 with the load summed over the group and
 broadcasts the result (tokenloom.worker.expert_balancer), so every rank applies the same placement.
@@ -25,7 +26,10 @@ def balanced_placement(load: Sequence[float], current: Sequence[int], num_ranks:
     as little as possible from `current`."""
     num_experts, per_rank = len(load), len(current) // num_ranks
     copies = replicate(load, len(current) - num_experts, num_ranks)
-    return stay_put(pack(load, copies, num_ranks, per_rank), current, per_rank)
+    placement = stay_put(pack(load, copies, num_ranks, per_rank), current, per_rank)
+    if imbalance(rank_loads(load, placement, num_ranks)) < imbalance(rank_loads(load, current, num_ranks)):
+        return placement
+    return list(current)
 
 
 def replicate(load: Sequence[float], redundant: int, num_ranks: int) -> list[int]:
