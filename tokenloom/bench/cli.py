@@ -1,10 +1,11 @@
-"""`tokenloom bench throughput|serve|decode|roofline|moe|collectives` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|roofline|moe|eplb|collectives` argument wiring."""
 from __future__ import annotations
 
 import argparse
 
 from tokenloom.bench.collectives import add_collectives_args
 from tokenloom.bench.decode_step import add_decode_args
+from tokenloom.bench.eplb import add_eplb_args
 from tokenloom.bench.moe_layer import add_moe_args
 from tokenloom.bench.roofline import add_roofline_args
 from tokenloom.config import add_engine_args
@@ -48,6 +49,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     add_moe_args(sub.add_parser("moe", help="one mixture-of-experts layer: grouped experts against per-expert and "
                                             "per-token loops and a dense MLP of the same active size"))
+
+    add_eplb_args(sub.add_parser("eplb", help="expert parallel load balancing: the ranks' share of a skewed "
+                                            "MoE workload before and after the experts are re-placed"))
 
     add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "
                                                            "alpha-beta fit for the tensor-parallel cost model"))
