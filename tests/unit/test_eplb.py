@@ -18,6 +18,7 @@ from tokenloom.distributed.expert_parallel import ExpertPlacement, init_expert_p
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.expert_replicas import ExpertReplicas
 from tokenloom.model.layers.fused_moe import FusedMoE, grouped_experts
+from tokenloom.model.prepack import can_prepack
 
 LINEAR_8_OVER_2 = [0, 1, 2, 3, 4, 5, 6, 7]
 # Experts 0 and 1 take most tokens, and the linear placement puts both on rank 0.
@@ -142,6 +143,36 @@ def test_two_ranks_with_copies_sum_to_the_whole_layer(monkeypatch):
         experts.load("down_proj", w2)
         parts.append(experts.forward(x, weights, ids, reduce_results=False))
     torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids))
+
+
+def _rank_zero_of_two(monkeypatch, redundant: int) -> FusedMoE:
+    monkeypatch.setattr(parallel_state, "_GROUP", parallel_state.TensorParallelGroup(rank=0, size=2))
+    init_expert_parallel(True, "linear", load_balancing=True, redundant_experts=redundant)
+    try:
+        return FusedMoE(num_experts=8, hidden_size=16, intermediate_size=4)
+    finally:
+        init_expert_parallel(False)
+
+
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_a_re_placement_within_a_rank_keeps_the_layers_output(monkeypatch, prepacked):
+    """Rank 0 swaps and re-copies its slots (no expert leaves it, so no other rank is needed): its weights move
+    with the tables, stacked or prepacked for oneDNN, and it computes the same pairs to the same sum."""
+    g = torch.Generator().manual_seed(1)
+    experts = _rank_zero_of_two(monkeypatch, redundant=2)
+    experts.load("gate_up_proj", torch.randn(8, 8, 16, generator=g))
+    experts.load("down_proj", torch.randn(8, 16, 4, generator=g))
+    if prepacked:
+        if not can_prepack(torch.device("cpu")):
+            pytest.skip("platform: this torch build cannot prepack for oneDNN")
+        assert experts.method.pack(experts)
+    x, weights = torch.randn(12, 16, generator=g), torch.rand(12, 2, generator=g)
+    ids = torch.randint(0, 8, (12, 2), generator=g)
+    before = experts.forward(x, weights, ids, reduce_results=False)
+    assert experts.replicas.slots == [0, 1, 2, 3, 4, 4, 5, 6, 7, 0]
+    experts.place([4, 3, 2, 1, 0, 4, 5, 6, 7, 0])
+    assert experts.local_slots == {4: [0], 3: [1], 2: [2], 1: [3], 0: [4]}
+    torch.testing.assert_close(experts.forward(x, weights, ids, reduce_results=False), before)
 
 
 # ---- configuration -------------------------------------------------------------------------------------------------
