@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.stats import EngineStats, sum_stats
 from tokenloom.distributed import parallel_state
 from tokenloom.distributed.eplb import balanced_placement, imbalance, rank_loads, replicate
 from tokenloom.distributed.expert_moves import ExpertMove, plan_moves
@@ -173,6 +174,16 @@ def test_a_re_placement_within_a_rank_keeps_the_layers_output(monkeypatch, prepa
     experts.place([4, 3, 2, 1, 0, 4, 5, 6, 7, 0])
     assert experts.local_slots == {4: [0], 3: [1], 2: [2], 1: [3], 0: [4]}
     torch.testing.assert_close(experts.forward(x, weights, ids, reduce_results=False), before)
+
+
+def test_replicas_stats_add_their_re_placements_and_keep_the_worst_imbalance():
+    total = sum_stats([EngineStats(eplb_rebalances=2, eplb_experts_moved=3, eplb_imbalance=1.2,
+                                   eplb_planned_imbalance=1.0), EngineStats(),
+                       EngineStats(eplb_rebalances=1, eplb_experts_moved=4, eplb_imbalance=1.5,
+                                   eplb_planned_imbalance=1.1)])
+    assert (total.eplb_rebalances, total.eplb_experts_moved, total.eplb_imbalance,
+            total.eplb_planned_imbalance) == (3, 7, 1.5, 1.1)
+    assert sum_stats([EngineStats()]).eplb_imbalance is None
 
 
 # ---- configuration -------------------------------------------------------------------------------------------------
