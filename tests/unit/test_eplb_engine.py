@@ -67,3 +67,25 @@ def test_the_load_balancer_on_a_dense_model_is_a_config_error_before_any_worker_
     with pytest.raises(ConfigError, match=r"^enable_expert_parallel needs a mixture-of-experts model "
                                           r"\(LlamaForCausalLM has no experts\)"):
         _core(tiny_models("llama")[0], tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
+
+
+# Qwen2-MoE's shared expert and Mixtral's routing, round-robin start, four redundant experts (make soak).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_other_families_under_the_load_balancer_generate_the_greedy_tokens_of_one_process(tiny_models, kind):
+    folder = tiny_models(kind)[0]
+    built = []
+    try:
+        one = _core(folder)
+        built.append(one)
+        balanced = _core(folder, tensor_parallel_size=2, enable_expert_parallel=True,
+                         expert_placement_strategy="round_robin", enable_eplb=True,
+                         eplb_config={"window_size": 4, "step_interval": 2, "num_redundant_experts": 4})
+        built.append(balanced)
+        params = greedy_params(MAX_TOKENS)
+        assert helpers.generate_tokens(balanced, SKEWED_PROMPTS, params) == helpers.generate_tokens(
+            one, SKEWED_PROMPTS, params)
+        assert balanced.stats()["eplb_experts_moved"] > 0
+    finally:
+        for core in built:
+            core.shutdown()
