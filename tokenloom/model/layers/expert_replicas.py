@@ -17,6 +17,8 @@ import torch
 
 
 class ExpertReplicas:
+    """One MoE layer's placement on one rank: `slots` (all ranks') and the routing tables built from it."""
+
     def __init__(self, slots: list[int], num_experts: int, rank: int, num_ranks: int):
         self.num_experts, self.rank, self.num_ranks = num_experts, rank, num_ranks
         self.per_rank = len(slots) // num_ranks

@@ -126,9 +126,7 @@ class FusedMoE(InferenceModule):
             self.replicas = ExpertReplicas(self.placement.physical_experts(settings.redundant_experts), num_experts,
                                            self.tp.rank, self.tp.size)
             held = self.replicas.local_experts()
-        self.local_slots: dict[int, list[int]] = {}  # expert -> the local slots that hold it (as loaded)
-        for index, expert in enumerate(held):
-            self.local_slots.setdefault(expert, []).append(index)
+        self.local_slots = _slots_of(held)
         local = len(held)
         self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate_size), requires_grad=False)
@@ -215,10 +213,16 @@ class FusedMoE(InferenceModule):
         for index, (w13, w2) in exchange_experts(moves, replicas.per_rank, self.tp.rank, self.read_slot).items():
             self.write_slot(index, w13, w2)
         replicas.update(slots)
-        self.local_slots = {}
-        for index, expert in enumerate(replicas.local_experts()):
-            self.local_slots.setdefault(expert, []).append(index)
+        self.local_slots = _slots_of(replicas.local_experts())
         return sum(move.source // replicas.per_rank != move.slot // replicas.per_rank for move in moves)
+
+
+def _slots_of(held: list[int]) -> dict[int, list[int]]:
+    """Expert -> the local slots that hold it, from the expert of each local slot."""
+    slots: dict[int, list[int]] = {}
+    for index, expert in enumerate(held):
+        slots.setdefault(expert, []).append(index)
+    return slots
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
