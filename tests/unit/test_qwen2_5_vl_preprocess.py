@@ -76,6 +76,11 @@ def test_a_needle_thin_image_is_refused():
         _ours([_noise_image(2010, 10)])
 
 
+def test_an_image_without_pixels_is_refused():
+    with pytest.raises(ImageSizeError, match="no pixels"):
+        smart_resize(0, 10, 28, MIN_PIXELS, MAX_PIXELS)
+
+
 def test_the_released_config_spelling_is_read():
     config = Qwen2VLPreprocessConfig.from_hf({"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14,
                                               "temporal_patch_size": 2, "merge_size": 2, "resample": 3})

@@ -11,6 +11,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from tokenloom.config import ConfigError
 from tokenloom.model.models.vision.qwen2_5_vl_config import Qwen2_5_VLVisionConfig
 from tokenloom.model.models.vision.qwen2_5_vl_vision import Qwen2_5_VisionTower
+from tokenloom.model.models.vision.vision_errors import VisionInputError
 
 # A window of 56 pixels is 2x2 merged tokens, so grids of 4+ merged tokens per side hold several windows.
 TINY_VISION = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
@@ -74,16 +75,31 @@ def test_each_image_gets_its_own_tensor_of_merged_tokens(towers):
 
 def test_pixel_rows_that_disagree_with_the_grid_are_refused(towers):
     _, ours = towers
-    with pytest.raises(ValueError, match="describes 16 patches"):
+    with pytest.raises(VisionInputError, match="describes 16 patches"):
         ours.encode(_random_patches([(1, 4, 2)]), [(1, 4, 4)])
 
 
 def test_a_grid_that_is_not_a_multiple_of_the_merge_size_is_refused(towers):
     _, ours = towers
-    with pytest.raises(ValueError, match="merge size"):
+    with pytest.raises(VisionInputError, match="merge size"):
         ours.encode(_random_patches([(1, 3, 4)]), [(1, 3, 4)])
 
 
 def test_a_window_that_does_not_tile_merged_patches_is_a_config_error():
     with pytest.raises(ConfigError, match="window_size"):
         Qwen2_5_VLVisionConfig.from_hf({**TINY_VISION, "window_size": 50})
+
+
+def test_a_call_without_images_is_refused(towers):
+    _, ours = towers
+    with pytest.raises(VisionInputError, match="no images"):
+        ours.encode(_random_patches([]), [])
+
+
+def test_the_released_3b_vision_config_is_read():
+    released = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                "spatial_patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                "tokens_per_second": 2, "temporal_patch_size": 2}
+    config = Qwen2_5_VLVisionConfig.from_hf(released)
+    assert (config.head_dim, config.patch_pixels, config.rope_theta) == (80, 1176, 10000.0)

@@ -49,6 +49,9 @@ class Gemma3VisionConfig:
 
 
 class Gemma3VisionEncoder(InferenceModule):
+    # Parameter names are the checkpoint's (Gemma3ForConditionalGeneration) in full.
+    CHECKPOINT_PREFIX = ""
+
     def __init__(self, config: Gemma3VisionConfig):
         super().__init__()
         self.config = config

@@ -13,12 +13,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tokenloom.model.models.vision.vision_errors import VisionInputError
+
 GridTHW = tuple[int, int, int]
 
 
 def grids_of(image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[GridTHW]:
     """`image_grid_thw` as (frames, rows, columns) tuples of Python ints."""
     rows = image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) else image_grid_thw
+    if any(len(row) != 3 for row in rows):
+        raise VisionInputError(f"image_grid_thw rows must be (frames, rows, columns), got {rows!r}")
     return [(int(t), int(h), int(w)) for t, h, w in rows]
 
 

@@ -22,6 +22,7 @@ from tokenloom.model.models.vision.image_pixels import (
     RESAMPLING_BY_CODE,
     normalized_pixels,
 )
+from tokenloom.model.models.vision.vision_errors import VisionInputError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -29,13 +30,15 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 
 
-class ImageSizeError(ValueError):
-    """An image the processor cannot bring to a patch grid (too elongated)."""
+class ImageSizeError(VisionInputError):
+    """An image the processor cannot bring to a patch grid (empty, or too elongated)."""
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The (height, width) an image is resized to: multiples of `factor`, the area within
     [min_pixels, max_pixels], the aspect ratio as close to the original's as those allow."""
+    if min(height, width) < 1:
+        raise ImageSizeError(f"an image of {width}x{height} pixels has no pixels")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageSizeError(f"an image of {width}x{height} pixels is more elongated than "
                              f"{MAX_ASPECT_RATIO}:1")

@@ -26,6 +26,7 @@ from tokenloom.model.models.vision.qwen2_5_vl_grid import (
     patch_positions,
     window_layout,
 )
+from tokenloom.model.models.vision.vision_errors import VisionInputError
 
 # The norms' epsilon: fixed in the reference implementation, absent from the config.
 VISION_NORM_EPS = 1e-6
@@ -139,18 +140,23 @@ class Qwen2_5_VisionTower(InferenceModule):
     def tokens_per_image(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[int]:
         return [t * h * w // self.config.merge_unit for t, h, w in grids_of(image_grid_thw)]
 
-    def check_inputs(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]):
+    def checked_grids(self, pixel_values: torch.Tensor,
+                      image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+        """The grids, once they and the pixel rows are known to fit this tower and each other."""
         cfg = self.config
         grids = grids_of(image_grid_thw)
+        if not grids:
+            raise VisionInputError("no images to encode")
         if pixel_values.dim() != 2 or pixel_values.shape[1] != cfg.patch_pixels:
-            raise ValueError(f"pixel_values must be [patches, {cfg.patch_pixels}], got {list(pixel_values.shape)}")
+            raise VisionInputError(f"pixel_values must be [patches, {cfg.patch_pixels}], "
+                                   f"got {list(pixel_values.shape)}")
         bad = [g for g in grids if min(g) <= 0 or g[1] % cfg.spatial_merge_size or g[2] % cfg.spatial_merge_size]
         if bad:
-            raise ValueError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
-                             f"{cfg.spatial_merge_size}")
+            raise VisionInputError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
+                                   f"{cfg.spatial_merge_size}")
         if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
-                             f"pixel_values has {pixel_values.shape[0]}")
+            raise VisionInputError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
+                                   f"pixel_values has {pixel_values.shape[0]}")
         return grids
 
     @torch.inference_mode()
@@ -158,7 +164,7 @@ class Qwen2_5_VisionTower(InferenceModule):
                image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """pixel_values: [patches, patch_pixels] of every image, image_grid_thw: [images, 3] -> one
         [tokens, out_hidden_size] tensor per image."""
-        grids = self.check_inputs(pixel_values, image_grid_thw)
+        grids = self.checked_grids(pixel_values, image_grid_thw)
         return list(self.forward(pixel_values, grids).split(self.tokens_per_image(grids)))
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
