@@ -6,6 +6,6 @@ model's embedding width, one tensor per image, ready to replace that image's pla
 - Gemma 3: `gemma3_vision.Gemma3VisionEncoder` (a SigLIP tower, `siglip`, and the pooling projector,
   `gemma3_projector`), its preprocessing `gemma3_preprocess`.
 
-Every module's parameter names are the checkpoint's, under the prefix its `CHECKPOINT_PREFIX` names, so a
-loader maps a safetensors file onto it by stripping that prefix.
+Parameter names are the checkpoints': each encoder's `CHECKPOINT_PREFIXES` lists the prefixes its tensors carry
+in released files and in transformers 5 saves, and `checkpoint_names.load_encoder_weights` fills it from them.
 """

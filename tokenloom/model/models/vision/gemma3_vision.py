@@ -49,8 +49,15 @@ class Gemma3VisionConfig:
 
 
 class Gemma3VisionEncoder(InferenceModule):
-    # Parameter names are the checkpoint's (Gemma3ForConditionalGeneration) in full.
-    CHECKPOINT_PREFIX = ""
+    # Parameter names are the released checkpoint's in full; transformers 5 saves SigLIP one level up.
+    CHECKPOINT_PREFIXES = (
+        ("vision_tower.vision_model.", "vision_tower.vision_model."),
+        ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+        ("vision_tower.", "vision_tower.vision_model."),
+        ("model.vision_tower.", "vision_tower.vision_model."),
+        ("multi_modal_projector.", "multi_modal_projector."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
 
     def __init__(self, config: Gemma3VisionConfig):
         super().__init__()

@@ -125,8 +125,9 @@ class Qwen2_5_VisionMerger(InferenceModule):
 
 
 class Qwen2_5_VisionTower(InferenceModule):
-    # The checkpoint's (Qwen2_5_VLForConditionalGeneration) names for this module's parameters start so.
-    CHECKPOINT_PREFIX = "visual."
+    # Qwen2_5_VLForConditionalGeneration checkpoints name this module `visual` (released and transformers 5
+    # saves alike; transformers' own in-memory name is model.visual).
+    CHECKPOINT_PREFIXES = (("visual.", ""), ("model.visual.", ""))
 
     def __init__(self, config: Qwen2_5_VLVisionConfig):
         super().__init__()
