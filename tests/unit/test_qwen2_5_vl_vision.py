@@ -3,6 +3,8 @@ random weights: window attention, the full-attention blocks, 2-D rotary and the 
 non-square images, images whose merged grid does not divide into windows, and several images in one call."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import Qwen2_5_VLConfig
@@ -103,3 +105,26 @@ def test_the_released_3b_vision_config_is_read():
                 "tokens_per_second": 2, "temporal_patch_size": 2}
     config = Qwen2_5_VLVisionConfig.from_hf(released)
     assert (config.head_dim, config.patch_pixels, config.rope_theta) == (80, 1176, 10000.0)
+
+
+def test_images_encoded_together_equal_each_encoded_alone(towers):
+    _, ours = towers
+    grids = [(1, 6, 10), (1, 4, 4)]
+    pixels = _random_patches(grids)
+    together = ours.encode(pixels, grids)
+    alone = [ours.encode(p, [g])[0] for p, g in zip(pixels.split([60, 16]), grids)]
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_in_bfloat16_the_tower_is_as_close_to_float32_as_transformers_is(towers):
+    reference, ours = towers
+    grids = [(1, 8, 6)]
+    pixels, grid_thw = _random_patches(grids), torch.tensor(grids)
+    with torch.no_grad():
+        exact = reference(pixels, grid_thw=grid_thw).pooler_output
+        reference_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+        theirs = reference_bf16(pixels.bfloat16(), grid_thw=grid_thw).pooler_output.float()
+    ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    got = torch.cat(ours_bf16.encode(pixels.bfloat16(), grids)).float()
+    assert (got - exact).abs().max() <= 2 * (theirs - exact).abs().max()
