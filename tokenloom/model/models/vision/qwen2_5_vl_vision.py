@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tokenloom.kernels import layer_ops
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.layers.norm import RMSNorm
 from tokenloom.model.models.vision.activations import VISION_ACTIVATIONS
@@ -55,18 +56,10 @@ class Qwen2_5_VisionRotary(InferenceModule):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [rows, 2] -> cos, sin: [rows, 1, head_dim] (one row's angles broadcast over heads)."""
-        angles = (positions[..., None].float() * self.inv_freq).flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        """positions: [rows, 2] -> cos, sin: [rows, 1, head_dim / 2], the row's angles then the column's
+        (broadcast over heads; the rotate-half layout pairs element i with i + head_dim / 2)."""
+        angles = (positions[..., None].float() * self.inv_freq).flatten(1)[:, None, :]
         return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding, computed in float32."""
-    dtype = x.dtype
-    x = x.float()
-    first, second = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-second, first], dim=-1) * sin).to(dtype)
 
 
 class Qwen2_5_VisionAttention(InferenceModule):
@@ -80,7 +73,7 @@ class Qwen2_5_VisionAttention(InferenceModule):
                 segments: PackedSegments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         cos, sin = rotary
-        out = segments.attend(rotate(q, cos, sin), rotate(k, cos, sin), v)
+        out = segments.attend(layer_ops.rotate_half(q, cos, sin), layer_ops.rotate_half(k, cos, sin), v)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
