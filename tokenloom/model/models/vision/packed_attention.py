@@ -30,6 +30,9 @@ class PackedSegments:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: [rows, heads, head_dim] -> [rows, heads, head_dim], each row attending within its segment."""
-        q, k, v = (x[self.gather].transpose(1, 2) for x in (q, k, v))
+        if self.all_full:  # equal segments: a reshape, no gather
+            q, k, v = (x.reshape(*self.gather.shape, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        else:
+            q, k, v = (x[self.gather].transpose(1, 2) for x in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.key_mask).transpose(1, 2)
         return out.reshape(-1, *out.shape[2:]) if self.all_full else out[self.present]

@@ -56,10 +56,20 @@ class Qwen2_5_VisionRotary(InferenceModule):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [rows, 2] -> cos, sin: [rows, 1, head_dim / 2], the row's angles then the column's
-        (broadcast over heads; the rotate-half layout pairs element i with i + head_dim / 2)."""
-        angles = (positions[..., None].float() * self.inv_freq).flatten(1)[:, None, :]
+        """positions: [rows, 2] -> cos, sin: [rows, head_dim / 2], the row's angles then the column's (the
+        rotate-half layout pairs element i with i + head_dim / 2)."""
+        angles = (positions[..., None].float() * self.inv_freq).flatten(1)
         return angles.cos(), angles.sin()
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: [rows, heads, head_dim] rotated by each row's own angles (cos, sin: [rows, head_dim / 2])."""
+    if layer_ops.native(q) and cos.dtype == torch.float32:
+        # The native op reads a position's angles from a table: here each row is its own position.
+        rows = torch.arange(q.shape[0], device=q.device)
+        return torch.ops.tokenloom.rotary_embedding(rows, q, k, cos, sin)
+    return layer_ops.rotate_half(q, cos[:, None], sin[:, None]), layer_ops.rotate_half(k, cos[:, None], sin[:, None])
 
 
 class Qwen2_5_VisionAttention(InferenceModule):
@@ -72,8 +82,8 @@ class Qwen2_5_VisionAttention(InferenceModule):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 segments: PackedSegments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
-        cos, sin = rotary
-        out = segments.attend(layer_ops.rotate_half(q, cos, sin), layer_ops.rotate_half(k, cos, sin), v)
+        q, k = rotate_qk(q, k, *rotary)
+        out = segments.attend(q, k, v)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
