@@ -109,8 +109,19 @@ def test_text_positions_rotate_as_a_plain_rope():
     cos3, sin3 = rotary.cos_sin(positions.expand(3, -1))
     cos1, sin1 = rotary.cos_sin(positions)
     angles = torch.outer(positions.float(), rotary.inv_freq)
-    torch.testing.assert_close(cos1, angles.cos()[:, None, :])
+    torch.testing.assert_close(cos1, angles.cos())
     torch.testing.assert_close((cos3, sin3), (cos1, sin1))
+
+
+def test_each_forward_rotates_by_its_own_positions():
+    rotary = MRotaryEmbedding(HEAD_DIM, 10000.0, MROPE_SECTION)
+    q, k = torch.randn(5, 2, HEAD_DIM), torch.randn(5, 1, HEAD_DIM)
+    first = rotary(torch.arange(5).expand(3, -1), q, k)
+    later = torch.arange(5).expand(3, -1) + torch.tensor([[0], [7], [3]])
+    second = rotary(later, q, k)
+    fresh = MRotaryEmbedding(HEAD_DIM, 10000.0, MROPE_SECTION)(later, q, k)
+    torch.testing.assert_close(second, fresh, rtol=0, atol=0)
+    assert not torch.equal(first[0], second[0])
 
 
 def test_sections_that_do_not_cover_half_the_head_are_a_config_error():

@@ -85,16 +85,29 @@ class MRotaryEmbedding(InferenceModule):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         stream_of_pair = torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section)))
         self.register_buffer("stream_of_pair", stream_of_pair, persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [3, T] (or [T] for text alone) -> cos, sin: [T, 1, head_dim / 2]."""
+        """positions: [3, T] (or [T] for text alone) -> cos, sin: [T, head_dim / 2]."""
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         angles = positions[..., None].float() * self.inv_freq  # [3, T, head_dim / 2]
         angles = angles.gather(0, self.stream_of_pair.expand(1, angles.shape[1], -1)).squeeze(0)
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+        return angles.cos(), angles.sin()
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, row of each token): every layer shares this module and one positions tensor within a
+        forward, so the angles are computed once per forward instead of once per layer."""
+        if self._last is None or self._last[0] is not positions:
+            cos, sin = self.cos_sin(positions)
+            self._last = (positions, cos, sin, torch.arange(cos.shape[0], device=cos.device))
+        return self._last[1], self._last[2], self._last[3]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D] rotated by the positions' angles."""
-        cos, sin = self.cos_sin(positions)
+        cos, sin, rows = self._tables(positions)
+        if layer_ops.native(q) and k.dtype == torch.float32:
+            # The native op reads angles from a table by position: here each token's row is its own entry.
+            return torch.ops.tokenloom.rotary_embedding(rows, q, k, cos, sin)
+        cos, sin = cos[:, None], sin[:, None]
         return layer_ops.rotate_half(q, cos, sin), layer_ops.rotate_half(k, cos, sin)
