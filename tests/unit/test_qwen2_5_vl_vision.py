@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2_5_VLConfig
@@ -68,10 +69,10 @@ def test_a_two_frame_grid_matches_transformers(towers):
     _assert_same_features(towers, [(2, 6, 6)])
 
 
-def test_each_image_gets_its_own_tensor_of_merged_tokens(towers):
+def test_each_image_gets_its_own_tensor_of_merged_tokens_given_the_processors_numpy_grid(towers):
     _, ours = towers
     grids = [(1, 4, 6), (1, 8, 2)]
-    features = ours.encode(_random_patches(grids), grids)
+    features = ours.encode(_random_patches(grids), np.array(grids, dtype=np.int64))
     assert [tuple(f.shape) for f in features] == [(6, 48), (4, 48)]
 
 

@@ -18,7 +18,7 @@ import torch
 from tokenloom.config import ConfigError
 from tokenloom.kernels import layer_ops
 from tokenloom.model.layers.module import InferenceModule
-from tokenloom.model.models.vision.qwen2_5_vl_grid import grids_of
+from tokenloom.model.models.vision.qwen2_5_vl_grid import GridInput, grids_of
 from tokenloom.model.models.vision.vision_errors import VisionInputError
 
 
@@ -27,7 +27,7 @@ class ImagePlaceholderError(VisionInputError):
 
 
 def mrope_positions(token_ids: torch.Tensor | Sequence[int], image_token_id: int,
-                    image_grid_thw: torch.Tensor | Sequence[Sequence[int]],
+                    image_grid_thw: GridInput,
                     spatial_merge_size: int) -> tuple[torch.Tensor, int]:
     """([3, len(token_ids)] int64 positions, delta) for a prompt whose images' placeholders appear in order,
     each a run of frames x rows x columns / merge**2 `image_token_id` tokens."""

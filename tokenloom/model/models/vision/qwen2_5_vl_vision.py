@@ -22,6 +22,7 @@ from tokenloom.model.models.vision.activations import VISION_ACTIVATIONS
 from tokenloom.model.models.vision.packed_attention import PackedSegments
 from tokenloom.model.models.vision.qwen2_5_vl_config import Qwen2_5_VLVisionConfig
 from tokenloom.model.models.vision.qwen2_5_vl_grid import (
+    GridInput,
     frame_lengths,
     grids_of,
     patch_positions,
@@ -141,11 +142,11 @@ class Qwen2_5_VisionTower(InferenceModule):
         self.merger = Qwen2_5_VisionMerger(config)
         self.full_attention_blocks = frozenset(config.fullatt_block_indexes)
 
-    def tokens_per_image(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[int]:
+    def tokens_per_image(self, image_grid_thw: GridInput) -> list[int]:
         return [t * h * w // self.config.merge_unit for t, h, w in grids_of(image_grid_thw)]
 
     def checked_grids(self, pixel_values: torch.Tensor,
-                      image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+                      image_grid_thw: GridInput) -> list[tuple[int, int, int]]:
         """The grids, once they and the pixel rows are known to fit this tower and each other."""
         cfg = self.config
         grids = grids_of(image_grid_thw)
@@ -165,7 +166,7 @@ class Qwen2_5_VisionTower(InferenceModule):
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor,
-               image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[torch.Tensor]:
+               image_grid_thw: GridInput) -> list[torch.Tensor]:
         """pixel_values: [patches, patch_pixels] of every image, image_grid_thw: [images, 3] -> one
         [tokens, out_hidden_size] tensor per image."""
         grids = self.checked_grids(pixel_values, image_grid_thw)
