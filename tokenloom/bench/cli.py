@@ -1,4 +1,4 @@
-"""`tokenloom bench throughput|serve|decode|roofline|moe|eplb|collectives` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|roofline|moe|eplb|collectives|vision` argument wiring."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from tokenloom.bench.decode_step import add_decode_args
 from tokenloom.bench.eplb import add_eplb_args
 from tokenloom.bench.moe_layer import add_moe_args
 from tokenloom.bench.roofline import add_roofline_args
+from tokenloom.bench.vision_tower import add_vision_args
 from tokenloom.config import add_engine_args
 
 try:
@@ -55,6 +56,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     add_collectives_args(sub.add_parser("collectives", help="all-reduce latency across processes, and its "
                                                            "alpha-beta fit for the tensor-parallel cost model"))
+
+    add_vision_args(sub.add_parser("vision", help="images/s through the Qwen2.5-VL vision tower (3B shapes, random "
+                                                 "weights) against transformers' on the same weights"))
 
     if add_serve_bench_args is not None:
         add_serve_bench_args(sub.add_parser("serve", help="load test of an OpenAI-compatible server"))
