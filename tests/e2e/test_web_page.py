@@ -261,3 +261,10 @@ def test_schema_editor_shows_only_for_the_json_schema_format(page):
     assert not page.locator("#p-schema").is_visible()
     page.select_option("#p-format", "json_schema")
     assert page.locator("#p-schema").is_visible()
+
+
+@pytest.mark.ui
+def test_a_text_only_model_offers_no_image_button(page):
+    page.click("#tab-chat")
+    assert page.locator("#chat-send").is_visible()
+    assert not page.locator("#chat-attach").is_visible()

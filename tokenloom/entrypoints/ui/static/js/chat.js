@@ -1,11 +1,51 @@
 /* The chat playground: system prompt, multi-turn history, streamed markdown answers with
-   reasoning apart, tool calls, response formats, per-message usage and timings, and a
-   stop button that aborts the request on the server (by closing the stream). */
+   reasoning apart, tool calls, response formats, per-message usage and timings, a stop
+   button that aborts the request on the server (by closing the stream), and images (picked
+   or pasted) sent as image_url parts when the model takes them. */
 "use strict";
 (() => {
   const $ = TL.$;
   let history = [];
   let controller = null;
+  let images = [];  // data: URLs attached to the message being written
+  /* The server checks bytes and pixels itself (docs/multimodal.md); this spares uploading a file that cannot pass. */
+  const MAX_IMAGE_BYTES = 20 * 2 ** 20;
+
+  function showAttachments() {
+    const frag = document.createDocumentFragment();
+    images.forEach((url, i) => {
+      const fig = document.createElement("figure");
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "attached image " + (i + 1);
+      const remove = TL.el("button", "×");
+      remove.title = "remove";
+      remove.addEventListener("click", () => { images.splice(i, 1); showAttachments(); });
+      fig.append(img, remove);
+      frag.appendChild(fig);
+    });
+    $("chat-attachments").replaceChildren(frag);
+  }
+
+  function attach(files) {
+    for (const file of files) {
+      if (!file.type.startsWith("image/")) { $("p-error").textContent = `${file.name || "that file"} is not an image`; continue; }
+      if (file.size > MAX_IMAGE_BYTES) { $("p-error").textContent = `${file.name || "the image"} is over 20 MiB`; continue; }
+      const reader = new FileReader();
+      reader.onload = () => { images.push(reader.result); showAttachments(); };
+      reader.readAsDataURL(file);
+    }
+  }
+
+  /* The header says whether the served model takes images; the attach button shows only then. */
+  TL.onImageInput = (on) => { $("chat-attach").hidden = !on; };
+  $("chat-attach").addEventListener("click", () => $("chat-image").click());
+  $("chat-image").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+  $("chat-input").addEventListener("paste", (e) => {
+    if ($("chat-attach").hidden) return;
+    const files = Array.from(e.clipboardData.files || []).filter((f) => f.type.startsWith("image/"));
+    if (files.length) { e.preventDefault(); attach(files); }
+  });
 
   $("p-format").addEventListener("change", () => { $("p-schema-wrap").hidden = $("p-format").value !== "json_schema"; });
 
@@ -41,15 +81,23 @@
 
   async function send() {
     const text = $("chat-input").value;
-    if (!text.trim() || controller) return;
+    if ((!text.trim() && !images.length) || controller) return;
     $("p-error").textContent = "";
     let body;
     try { body = options(); } catch (e) { $("p-error").textContent = "Response format / tools: " + e.message; return; }
     $("chat-input").value = "";
     const user = TL.el("div", null, "msg user");
     user.append(TL.el("div", "user", "role"), TL.el("div", text, "content"));
+    if (images.length) {
+      const shown = TL.el("div", null, "images");
+      for (const url of images) { const img = document.createElement("img"); img.src = url; img.alt = "your image"; shown.appendChild(img); }
+      user.appendChild(shown);
+    }
     $("chat-log").appendChild(user);
-    history.push({ role: "user", content: text });
+    const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+    history.push({ role: "user", content: parts.length ? (text.trim() ? [{ type: "text", text }] : []).concat(parts) : text });
+    images = [];
+    showAttachments();
     const system = $("chat-system").value.trim();
     body.messages = (system ? [{ role: "system", content: system }] : []).concat(history);
     body.stream = true;

@@ -7,6 +7,7 @@
 
   function header(h, healthy) {
     set("hdr-model", h.model);
+    if (TL.onImageInput) TL.onImageInput(Boolean(h.image_input));
     set("hdr-dtype", `${h.dtype} · KV ${h.kv_cache_dtype || h.dtype}${h.device ? " · " + h.device : ""}`);
     const size = h.weights_bytes ? `, ${f.num(h.weights_bytes / 2 ** 20, 0)} MiB` : "";
     set("hdr-quant", `${h.weights_file || "weights"} (${h.quantization}${size})`);
