@@ -67,6 +67,9 @@ class ModelRunner:
         self.sampler = Sampler(logits_processors)
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
+        # Each sequence's newest sampled token: async scheduling takes it as the next step's input before the
+        # scheduler has seen it (CachedRequestData.takes_last_sample).
+        self.last_samples: dict[str, int] = {}
 
     def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
         """Serve another model of the same shapes (a weight update) from the next step on; the requests'
@@ -84,8 +87,10 @@ class ModelRunner:
             self.drafter.update_states(step)
         if step.lora_loads:
             self.lora.apply(step.lora_loads)
+        for key in step.finished_keys:
+            self.last_samples.pop(key, None)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
-                    RequestState.apply, apply_forks)
+                    lambda state, delta: state.apply(delta, self.last_samples.get(delta.key)), apply_forks)
 
     # ---- one step -------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -129,6 +134,7 @@ class ModelRunner:
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
                 out.pooled = pooled
+            self.last_samples.update((key, seqs[0].token_ids[-1]) for key, seqs in out.sampled.items())
         forking = {r.key for r, _, samples in logit_rows if samples and r.forks}  # they fork next step
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
