@@ -3,6 +3,7 @@ step before it are applied. Its outputs must be exactly those of the plain loop;
 engines on a tiny random Llama (real engine, real forward), token for token."""
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -150,6 +151,24 @@ def test_a_weight_update_between_steps_waits_for_the_step_in_flight(make_core):
     assert got == want
 
 
+def test_a_step_that_fails_in_the_worker_voids_the_step_after_it_and_its_requests_run_plainly(make_core, caplog):
+    """The next step was launched on samples the failed one never produced: both are void, their requests
+    compute again without overlap, the culprit fails alone and the others end as in the plain loop."""
+    prompts = random_prompts(3, LENGTHS, 500, seed=9)
+
+    def requests():
+        return [make_request(f"r{i}", p, greedy_params(max_tokens=6)) for i, p in enumerate(prompts)]
+
+    want = _outputs(make_core(), requests())
+    core = make_core(async_scheduling=True)
+    bad = make_request("bad", [3, core.info.vocab_size + 5, 4], greedy_params(max_tokens=6))
+    got = _outputs(core, requests() + [bad])
+    assert "compute again without overlap" in caplog.text
+    assert got.pop(("bad", 0)) == []
+    assert got == want
+    assert core.stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("extra, words", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
     ({"splitwise_role": "prefill"}, "KV connector"),
@@ -159,3 +178,45 @@ def test_a_weight_update_between_steps_waits_for_the_step_in_flight(make_core):
 def test_combinations_it_cannot_run_are_refused_at_start(extra, words):
     with pytest.raises(ConfigError, match=words):
         EngineConfig.from_kwargs(async_scheduling=True, **extra)
+
+
+# ---- the embedded model, through the offline LLM (detokenizer, stop strings, structured outputs) ------------
+CHATS = ["Name three colours.", "Write a haiku about the sea.", "What is 12 times 7?",
+         "List the days of the week.", "Say hello in French."]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"]}
+
+
+def _texts(llm, params) -> list[list[str]]:
+    outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS], params, use_tqdm=False)
+    return [[o.text for o in out.outputs] for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def llms(make_llm):
+    return make_llm(num_blocks=256, max_model_len=512), make_llm(num_blocks=256, max_model_len=512,
+                                                                async_scheduling=True)
+
+
+def test_embedded_model_greedy_text_is_the_same_with_stop_strings_and_max_tokens(llms):
+    plain, overlapped = llms
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, stop=[".", "\n\n"][i % 2:]) for i in range(5)]
+    want = _texts(plain, params)
+    assert _texts(overlapped, params) == want
+    assert any(len(t[0]) > 0 for t in want)
+
+
+def test_embedded_model_n_best_of_sequences_are_the_same(llms):
+    plain, overlapped = llms
+    params = SamplingParams(n=3, temperature=0.7, seed=5, max_tokens=16)
+    assert _texts(overlapped, params) == _texts(plain, params)
+
+
+def test_embedded_model_structured_output_is_the_same_and_valid_json(llms):
+    plain, overlapped = llms
+    params = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs={"json": CITY})
+    want = _texts(plain, params)
+    got = _texts(overlapped, params)
+    assert got == want
+    complete = [json.loads(t[0]) for t in got if t[0].rstrip().endswith("}")]
+    assert complete and all(set(c) >= {"city", "population"} for c in complete)
