@@ -220,3 +220,18 @@ def test_embedded_model_structured_output_is_the_same_and_valid_json(llms):
     assert got == want
     complete = [json.loads(t[0]) for t in got if t[0].rstrip().endswith("}")]
     assert complete and all(set(c) >= {"city", "population"} for c in complete)
+
+
+def test_the_process_executor_gives_the_same_tokens(make_core):
+    """Rank 0 in its own process: the next step waits in its socket while the one before runs."""
+    prompts = random_prompts(4, LENGTHS, 500, seed=10)
+
+    def requests():
+        return [make_request(f"r{i}", p, greedy_params(max_tokens=5 + 3 * i)) for i, p in enumerate(prompts)]
+
+    want = _outputs(make_core(), requests())
+    core = make_core(async_scheduling=True, distributed_executor_backend="mp")
+    try:
+        assert _outputs(core, requests()) == want
+    finally:
+        core.shutdown()

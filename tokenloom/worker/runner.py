@@ -21,6 +21,7 @@ from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.layers.attention_backend import AttentionBackend
+from tokenloom.model.host_copy import to_host
 from tokenloom.model.logits_processor import LogitsProcessor
 from tokenloom.model.native_stack import StackLoRA
 from tokenloom.model.pooler import pool
@@ -209,10 +210,12 @@ class ModelRunner:
         if any(m is not None for m in masks):
             apply_token_bitmask(sample_logits, masks)
         sampled = self.sampler(sample_logits, rows)
+        token_ids, lp_ids, lps, ranks = to_host(sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                                                sampled.ranks)
         packed = None
-        if sampled.logprobs is not None:
-            packed = _pack(sampled.logprob_token_ids, sampled.logprobs, sampled.ranks, sampled.logprobs.shape[1] - 1)
-        for j, (r, token) in enumerate(zip(owners, sampled.token_ids.tolist())):
+        if lps is not None:
+            packed = _pack(lp_ids, lps, ranks, lps.shape[1] - 1)
+        for j, (r, token) in enumerate(zip(owners, token_ids.tolist())):
             k = rows[j].params.logprobs
             logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
             if r.key in positions and r.key in out.sampled:  # a later position of a verify span
