@@ -20,8 +20,8 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.lora.slots import LoRASlots
-from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.host_copy import to_host
+from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
 from tokenloom.model.native_stack import StackLoRA
 from tokenloom.model.pooler import pool
