@@ -253,7 +253,7 @@ class Scheduler:
             out.lora_loads = self.lora_slots.take_loads()
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
-            fed = req.num_computed_tokens + n > req.num_tokens  # its input is a sample still in flight
+            fed = self.overlap and req.num_computed_tokens + n > req.num_tokens  # its input: a sample in flight
             self.connector.on_scheduled(req, n)
             if req.spec_token_ids:
                 out.spec_token_ids[req.key] = req.spec_token_ids
