@@ -97,7 +97,8 @@ class EngineCore:
         return self.loras.remove(lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step would do something: outputs to hand back, or requests to run (none while paused)."""
+        """Whether a step would do something: outputs to hand back, a step in flight, or requests to run (none
+        while paused)."""
         return (bool(self._finished) or bool(self._in_flight)
                 or (self.scheduler.has_unfinished() and self.weights.running))
 

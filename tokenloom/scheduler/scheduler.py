@@ -41,7 +41,7 @@ class Scheduler:
         """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused)."""
         self.config = config
         # Async scheduling: the next step is scheduled while this one runs, before its samples are known
-        # (`schedule_ahead`); a step advances its sequences when it is scheduled, not when its outputs arrive.
+        # (`_schedule_ahead`); a step advances its sequences when it is scheduled, not when its outputs arrive.
         self.overlap = config.async_scheduling
         self.vocab_size = vocab_size  # the width of a grammar's bitmask (requests with a `structured` state)
         self.kv = kv
