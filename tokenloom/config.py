@@ -135,6 +135,9 @@ class SchedulerConfig:
     # against 1024; see docs/performance.md).
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 512  # per-request cap on one prefill chunk
+    # Schedule step N+1 while step N runs and apply N's outputs after N+1 is launched (tokenloom/engine/core.py);
+    # FastDeploy's enable_overlap_schedule.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
@@ -528,6 +531,7 @@ class EngineConfig:
         _check(spec is None or spec.method != "draft_model" or self.parallel.tensor_parallel_size == 1,
                "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
         self._check_kv_connectors()
+        self._check_async_scheduling()
         if self.reasoning_parser is not None:
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
                    f"{', '.join(sorted(REASONING_PARSERS))} (got {self.reasoning_parser!r})")
@@ -550,6 +554,20 @@ class EngineConfig:
                "kv_transfer_config and kv_offloading_backend cannot be combined yet (one KV connector per engine)")
         _check(self.kv_offloading_backend is None or self.cache.enable_prefix_caching,
                "kv_offloading_backend needs prefix caching (offloaded blocks are found by their prefix hash)")
+
+    def _check_async_scheduling(self) -> None:
+        """What overlapped scheduling cannot run with yet: each needs the step's outputs before the next step
+        is scheduled (drafts to verify, KV transfers to account) or every rank to hold the sampled tokens."""
+        if not self.scheduler.async_scheduling:
+            return
+        _check(self.speculative_config is None,
+               "async_scheduling cannot be combined with speculative decoding (--speculative-config) yet")
+        _check(self.kv_transfer_config is None and self.kv_offloading_backend is None,
+               "async_scheduling cannot be combined with a KV connector (--kv-transfer-config, --splitwise-role, "
+               "--kv-offloading-backend) yet")
+        _check(self.parallel.tensor_parallel_size == 1,
+               f"async_scheduling needs tensor_parallel_size 1 (got {self.parallel.tensor_parallel_size}): only "
+               "the first rank samples, so the other ranks could not feed the sampled tokens forward")
 
     @property
     def kv_offload_config(self) -> KVOffloadConfig | None:
@@ -657,6 +675,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("max_num_seqs", int, "most requests running at once (default 64)")
     opt("max_num_batched_tokens", int, "token budget of one engine step (default 512)")
     opt("long_prefill_token_threshold", int, "most prompt tokens of one request in one step (default 512)")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
+                   default=env_default("async_scheduling", None, bool),
+                   help="overlap the engine's scheduling and output processing with the model's forward: step "
+                        "N+1 is scheduled and launched before step N's outputs are applied (docs/performance.md)")
     g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
                    default=env_default("tensor_parallel_size", None, int),
                    help="ranks that share the model (tensor parallel; default 1)")

@@ -47,7 +47,13 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     new_token_ids: list[int]  # tokens appended since (the previous step's samples)
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The sequence's token count once the delta is applied. Tokens a worker holds past it (and past the new ones)
+    # are dropped: a sample it fed forward into a step whose outputs were then thrown away (async scheduling).
+    num_tokens: int
     replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption, or blocks released)
+    # Async scheduling: the sequence's last input is the token this worker sampled for it in the step before,
+    # which the scheduler has not seen yet (that step is still in flight when this one is scheduled).
+    takes_last_sample: bool = False
 
 
 class ForkedSequence(msgspec.Struct, kw_only=True, array_like=True):

@@ -60,6 +60,10 @@ class Request:
         # Their grammar bitmasks, one per verified position (1 + len(drafts)), when a grammar constrains any.
         self.spec_bitmasks: list[bytes | None] | None = None
         self.resend_blocks = False  # the block table changed wholesale (preempted, blocks released): send it all
+        # Async scheduling: steps in flight that sample this sequence, whose tokens the scheduler does not know
+        # yet (vLLM's output placeholders); and the newest step that computes it, as (step id, tokens).
+        self.num_output_placeholders = 0
+        self.latest_step = (0, 0)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0

@@ -151,6 +151,7 @@ class LLM:
     def collective_rpc(self, method: str, args: tuple[WorkerArg, ...] = ()) -> None:
         """Call a worker method on every rank (those of tokenloom.worker.messages.WORKER_METHODS: the weight
         updates, the weight-sync group, sleep and wake); raises what rank 0 raised."""
+        self.engine.drain()
         try:
             self.engine.executor.collective_rpc(method, *args)
         except WorkerCallError as exc:

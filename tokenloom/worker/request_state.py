@@ -48,8 +48,15 @@ class RequestState:
                    [_generator(params.seed, child, device) for child in range(width)],
                    lora_int_id=new.lora_int_id)
 
-    def apply(self, delta: CachedRequestData) -> None:
+    def apply(self, delta: CachedRequestData, last_sample: int | None = None) -> None:
+        """Follow a delta; `last_sample`: the token this worker sampled for the sequence in its latest step,
+        which the delta may take as the sequence's next input (async scheduling)."""
+        del self.token_ids[delta.num_tokens - len(delta.new_token_ids) - delta.takes_last_sample:]
         self.token_ids.extend(delta.new_token_ids)
+        if delta.takes_last_sample:
+            if last_sample is None:
+                raise RuntimeError(f"sequence {self.key}: no sample of the step before to take as its input")
+            self.token_ids.append(last_sample)
         if delta.replace_block_ids:
             self.block_ids = list(delta.new_block_ids)
         else:

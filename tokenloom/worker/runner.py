@@ -20,6 +20,7 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.lora.slots import LoRASlots
+from tokenloom.model.host_copy import to_host
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
 from tokenloom.model.native_stack import StackLoRA
@@ -67,6 +68,9 @@ class ModelRunner:
         self.sampler = Sampler(logits_processors)
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
+        # Each sequence's newest sampled token: async scheduling takes it as the next step's input before the
+        # scheduler has seen it (CachedRequestData.takes_last_sample).
+        self.last_samples: dict[str, int] = {}
 
     def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
         """Serve another model of the same shapes (a weight update) from the next step on; the requests'
@@ -84,8 +88,10 @@ class ModelRunner:
             self.drafter.update_states(step)
         if step.lora_loads:
             self.lora.apply(step.lora_loads)
+        for key in step.finished_keys:
+            self.last_samples.pop(key, None)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
-                    RequestState.apply, apply_forks)
+                    lambda state, delta: state.apply(delta, self.last_samples.get(delta.key)), apply_forks)
 
     # ---- one step -------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -129,6 +135,7 @@ class ModelRunner:
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
                 out.pooled = pooled
+            self.last_samples.update((key, seqs[0].token_ids[-1]) for key, seqs in out.sampled.items())
         forking = {r.key for r, _, samples in logit_rows if samples and r.forks}  # they fork next step
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
@@ -203,10 +210,12 @@ class ModelRunner:
         if any(m is not None for m in masks):
             apply_token_bitmask(sample_logits, masks)
         sampled = self.sampler(sample_logits, rows)
+        token_ids, lp_ids, lps, ranks = to_host(sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                                                sampled.ranks)
         packed = None
-        if sampled.logprobs is not None:
-            packed = _pack(sampled.logprob_token_ids, sampled.logprobs, sampled.ranks, sampled.logprobs.shape[1] - 1)
-        for j, (r, token) in enumerate(zip(owners, sampled.token_ids.tolist())):
+        if lps is not None:
+            packed = _pack(lp_ids, lps, ranks, lps.shape[1] - 1)
+        for j, (r, token) in enumerate(zip(owners, token_ids.tolist())):
             k = rows[j].params.logprobs
             logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
             if r.key in positions and r.key in out.sampled:  # a later position of a verify span
