@@ -152,7 +152,8 @@ class AsyncLLM:
         assert self.tokenizer is not None
         self.load.calibrate(info.warmup_decode_seconds)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len,
-                                              info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids))
+                                              info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids),
+                                              model_path=self.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_defaults = load_generation_defaults(self.model_path)
         if self.served_model_name is None:
