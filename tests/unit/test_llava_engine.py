@@ -158,3 +158,27 @@ def test_a_prompt_whose_placeholders_do_not_match_its_images_is_refused(llava):
     llm, _ = llava
     with pytest.raises(ImageInputError, match="placeholder"):
         llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": []}}, _greedy(), use_tqdm=False)
+
+
+def test_an_encoder_cache_of_one_image_serves_a_two_image_prompt_one_image_at_a_time(tiny_llava):
+    folder, hf = tiny_llava
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              max_encoder_cache=16)
+    try:
+        images = [helpers.tiny_image(40, 30, seed=30), helpers.tiny_image(30, 40, seed=31)]
+        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert set(llm.engine.executor.worker.runner.encoder_cache.rows) == set(llm.engine.scheduler.encoder.entries)
+        assert len(llm.engine.scheduler.encoder.entries) == 1
+    finally:
+        llm.shutdown()
+
+
+def test_an_image_larger_than_the_encoder_cache_is_refused(tiny_llava):
+    llm = LLM(tiny_llava[0], progress=False, dtype="float32", device="cpu", log_stats_interval=0,
+              kv_cache_memory=0.05, max_encoder_cache=8)
+    try:
+        with pytest.raises(ImageInputError, match="--max-encoder-cache"):
+            llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": helpers.tiny_image(9, 9)}}, _greedy(),
+                         use_tqdm=False)
+    finally:
+        llm.shutdown()
