@@ -10,6 +10,7 @@ from PIL import Image
 from tokenloom.config import EngineConfig
 from tokenloom.core.errors import RequestValidationError
 from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
 from tokenloom.model.logits_processor import load_processor_class
 from tokenloom.multimodal.errors import ImageInputError
@@ -78,7 +79,7 @@ class InputProcessor:
             raise ImageInputError("this model reads no images (a text-only model); send text only")
         self.image_processor.check_count(num_images)
 
-    def prepare_images(self, ids: list[int], images: list[Image.Image]):
+    def prepare_images(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its image placeholders expanded, and the engine's ImageInputs."""
         self.check_image_count(len(images))
         if self.image_processor is None or not (images or self.image_processor.placeholder_token_id in ids):

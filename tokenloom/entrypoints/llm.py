@@ -20,6 +20,7 @@ from tokenloom.engine.weight_control import WeightControlError
 from tokenloom.executor.base import WorkerCallError
 from tokenloom.model.pooling_config import truncate
 from tokenloom.multimodal.chat_parts import ImageRef, split_image_parts
+from tokenloom.multimodal.errors import ImageInputError
 from tokenloom.multimodal.image_source import image_bytes
 from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
@@ -207,8 +208,10 @@ class LLM:
     def _load_image(self, ref: ImageRef) -> Image.Image:
         if isinstance(ref, Image.Image):
             return ref
-        assert self.input_processor.image_processor is not None  # check_image_count refused images otherwise
-        return self.input_processor.image_processor.decode(image_bytes(ref, self.config.multimodal))
+        processor = self.input_processor.image_processor
+        if processor is None:
+            raise ImageInputError("this model reads no images (a text-only model); send text only")
+        return processor.decode(image_bytes(ref, self.config.multimodal))
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
 
 from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.input_processor import encode_text
@@ -102,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequestError(e.message, param=f"messages[{with_images[0]}].content", code=e.code) from None
         return refs
 
-    def load_images(self, refs: list[ImageRef]):
+    def load_images(self, refs: list[ImageRef]) -> list[Image.Image]:
         """The images decoded (a blocking call: fetches and decodes)."""
         processor = self.engine.input_processor.image_processor
         config = self.engine.config.multimodal
