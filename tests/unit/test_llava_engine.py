@@ -182,3 +182,15 @@ def test_an_image_larger_than_the_encoder_cache_is_refused(tiny_llava):
                          use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.tp
+def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_llava):
+    folder, hf = tiny_llava
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              tensor_parallel_size=2)
+    try:
+        images = [helpers.tiny_image(40, 30, seed=40), helpers.tiny_image(28, 28, seed=41)]
+        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    finally:
+        llm.shutdown()
