@@ -53,7 +53,8 @@ class EngineCore:
         self.kv_connector = make_scheduler_connector(config, self.kv_manager, self.info.kv_connector)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    speculative=config.speculative_config, connector=self.kv_connector,
-                                   vocab_size=self.info.vocab_size, max_loras=config.lora.num_slots)
+                                   vocab_size=self.info.vocab_size, max_loras=config.lora.num_slots,
+                                   max_encoder_cache=config.multimodal.max_encoder_cache)
         self.loras = LoRARegistry(config.lora, self.info.lora_target_shapes, self.info.num_layers)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
@@ -75,7 +76,8 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
                           priority=req.priority, eos_token_ids=req.eos_token_ids,
                           bad_words_token_ids=req.bad_words_token_ids,
-                          cache_salt=self.weights.salted(req.cache_salt), lora_request=req.lora_request)
+                          cache_salt=self.weights.salted(req.cache_salt), lora_request=req.lora_request,
+                          images=req.images)
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
         self._finished.extend(self.scheduler.add_request(request))

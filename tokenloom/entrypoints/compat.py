@@ -35,8 +35,7 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "tokenloom never downloads models: give a local GGUF file or model folder",
     ("--tool-parser-plugin",): "tool-parser plugins are not supported; see --tool-call-parser",
     ("--middleware",): "custom ASGI middleware is not supported",
-    ("--mmproj",): "multimodal models are not supported yet",
-    ("--limit-mm-per-prompt",): "multimodal models are not supported yet",
+    ("--mmproj",): "GGUF vision projectors are not supported: serve a LLaVA safetensors folder (docs/multimodal.md)",
     ("--rope-scaling", "--rope-freq-base", "--rope-freq-scale"):
         "RoPE overrides are not supported: the model's own RoPE settings are used",
 }

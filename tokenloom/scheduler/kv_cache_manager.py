@@ -30,7 +30,7 @@ class KVCacheManager:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
             request.block_hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs],
-                                                   request.block_hash_salt))
+                                                   request.block_salt(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Longest chain of cached blocks for this request; the last token is always left to compute."""

@@ -24,6 +24,7 @@ from tokenloom.core.contract import (
 from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
+from tokenloom.scheduler.encoder_cache import EncoderCacheManager
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.lora_slots import LoRASlotTable
 from tokenloom.scheduler.structured_step import constrain_drafts, forced_token_logprobs, next_token_bitmask
@@ -37,8 +38,10 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None,
-                 connector: SchedulerConnector | None = None, vocab_size: int | None = None, max_loras: int = 0):
-        """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused)."""
+                 connector: SchedulerConnector | None = None, vocab_size: int | None = None, max_loras: int = 0,
+                 max_encoder_cache: int = 4096):
+        """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused);
+        `max_encoder_cache`: image encoder rows the workers keep (`encoder_cache.py`)."""
         self.config = config
         # Async scheduling: the next step is scheduled while this one runs, before its samples are known
         # (`_schedule_ahead`); a step advances its sequences when it is scheduled, not when its outputs arrive.
@@ -69,6 +72,7 @@ class Scheduler:
             self.lookahead = k if self.proposer is None else 0
         self._speculate = False
         self.lora_slots = LoRASlotTable(max_loras) if max_loras else None
+        self.encoder = EncoderCacheManager(max_encoder_cache, max(config.max_num_batched_tokens, 1))
         # vLLM's spec_decode counters: steps that verified drafts, drafts verified, drafts accepted, per position.
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -82,6 +86,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.lora_int_id and self.lora_slots is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        too_large = [im.length for im in request.images if im.length > self.encoder.capacity]
+        if too_large:
+            raise ValueError(f"an image of {too_large[0]} encoder rows does not fit the encoder cache "
+                             f"({self.encoder.capacity} rows, --max-encoder-cache)")
         first_token = self.connector.on_add(request)
         self.requests[request.key] = request
         outputs = []
@@ -112,6 +120,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.loading.pop(request.key, None)
+        self.encoder.release(request.key, request.images)
         hold, request.kv_transfer_params = self.connector.request_finished(request)
         if hold:  # the connector owns the blocks now (a producer's lease)
             request.block_ids = []
@@ -131,6 +140,7 @@ class Scheduler:
 
         preempted = False
         speculate = self._speculate = self._may_speculate(len(self.running))
+        self.encoder.begin_step()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -141,6 +151,11 @@ class Scheduler:
             drafting = speculate and remaining == 1
             req.spec_token_ids, req.spec_bitmasks = self._drafts(req, budget) if drafting else ([], None)
             n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget)
+            if req.images and not req.spec_token_ids:
+                n = self.encoder.fit_chunk(req.key, req.images, req.num_computed_tokens, n)
+                if n == 0:  # its next token is an image this step cannot encode
+                    i += 1
+                    continue
             while not self.kv.allocate(req, n):
                 victim = max(self.running, key=Request.sort_key)
                 victim_index = self.running.index(victim)
@@ -184,7 +199,12 @@ class Scheduler:
             n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens - external, budget)
             if n > budget:
                 break  # next step (validation keeps an embedding prompt within one step's budget)
+            if req.images:
+                n = self.encoder.fit_chunk(req.key, req.images, num_cached_tokens + external, n)
+                if n == 0:
+                    break  # its image waits for the next step's encoder budget
             if not self.kv.allocate(req, external + n, cached):
+                self.encoder.release(req.key, req.images)  # a request left waiting holds no encoder room
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
                     break
@@ -251,6 +271,7 @@ class Scheduler:
         self.pending_copies, self.finished_keys = [], []
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
+        out.encoder_cache_frees = self.encoder.take_frees()
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
             fed = self.overlap and req.num_computed_tokens + n > req.num_tokens  # its input: a sample in flight
@@ -269,7 +290,7 @@ class Scheduler:
                     sampling_params=req.params, block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens, eos_token_ids=req.eos_token_ids,
                     bad_words_token_ids=req.bad_words_token_ids, output_token_ids=req.output_token_ids,
-                    lora_int_id=req.lora_int_id))
+                    lora_int_id=req.lora_int_id, images=req.images))
                 req.sent_to_workers = True
             else:
                 first_block = 0 if req.resend_blocks else req.sent_blocks
@@ -378,6 +399,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self.encoder.release(req.key, req.images)
         req.resend_blocks = True
         req.spec_token_ids, req.spec_bitmasks = [], None
         req.num_computed_tokens = 0
@@ -430,6 +452,8 @@ class Scheduler:
                 continue
             if not self.overlap:
                 r.num_computed_tokens += n
+            if r.images:
+                self.encoder.release_past(key, r.images, r.num_computed_tokens)
             embedding = result.pooled.get(key)
             if embedding is not None:  # an embedding request is done after its one step
                 self.finish(r, "stop")

@@ -31,6 +31,7 @@ from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
 from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
+from tokenloom.worker.encoder_cache import EncoderCache, ImageRows, embeddings_with_images
 from tokenloom.worker.forward_path import EAGER, ForwardPath, fast_path_takes_lora
 from tokenloom.worker.request_state import RequestState, apply_forks
 from tokenloom.worker.sampling_plan import SamplingPlan
@@ -71,12 +72,14 @@ class ModelRunner:
         # Each sequence's newest sampled token: async scheduling takes it as the next step's input before the
         # scheduler has seen it (CachedRequestData.takes_last_sample).
         self.last_samples: dict[str, int] = {}
+        self.encoder_cache = EncoderCache(device)  # image encoder rows (multimodal models)
 
     def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
         """Serve another model of the same shapes (a weight update) from the next step on; the requests'
         states and the KV cache stay."""
         self.model = model
         self.forward = forward
+        self.encoder_cache.clear()
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
@@ -90,6 +93,7 @@ class ModelRunner:
             self.lora.apply(step.lora_loads)
         for key in step.finished_keys:
             self.last_samples.pop(key, None)
+        self.encoder_cache.free(step.encoder_cache_frees)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
                     lambda state, delta: state.apply(delta, self.last_samples.get(delta.key)), apply_forks)
 
@@ -122,8 +126,10 @@ class ModelRunner:
             self._check_vocabulary(layout.batch.input_ids)
             logit_rows = layout.logit_rows
             row_slots = self._lora_rows(layout.batch, scheduled)
+        with PROFILER.section("encoder"):
+            images = self.encoder_cache.step_image_rows(self.model, layout.batch, scheduled)
         with PROFILER.section("forward"):
-            hidden = self._forward(layout.batch, kv_layers, row_slots)
+            hidden = self._forward(layout.batch, kv_layers, row_slots, images)
             pooled = {key: pool(hidden[first:first + n], self.pooling).tolist()
                       for key, first, n in layout.pool_spans}
             if not logit_rows:
@@ -155,13 +161,14 @@ class ModelRunner:
             return None
         return self.lora.row_slots(batch.row_values([r.lora_int_id for r, _ in scheduled]))
 
-    def _forward(self, batch: BatchLayout, kv_layers, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, batch: BatchLayout, kv_layers, row_slots: torch.Tensor | None = None,
+                 images: list[ImageRows] = ()) -> torch.Tensor:
         """Hidden states of the flat batch along the forward path: a captured CUDA graph for a decode-only
         step that fits one, the native decoder stack on the CPU, else the layer-by-layer forward (always,
-        with the connector's per-layer hooks). `row_slots`: the rows' LoRA slots, set on the layers for this
-        forward only."""
+        with the connector's per-layer hooks, and for a step with image rows). `row_slots`: the rows' LoRA
+        slots, set on the layers for this forward only; `images`: encoder rows over placeholder rows."""
         graphs, stack = self.forward.graphs, self.forward.native_stack
-        fast = row_slots is None or fast_path_takes_lora(self.forward.kind)
+        fast = (row_slots is None or fast_path_takes_lora(self.forward.kind)) and not images
         if fast and graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
             return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.spans)
         meta = batch.metadata(self.attention, self.device)
@@ -169,11 +176,13 @@ class ModelRunner:
         if fast and stack is not None and kv_layers is None and stack.can_run():
             lora = None if row_slots is None else StackLoRA(self.lora.targets, self.lora.batch.scaling, row_slots)
             return stack.run(ids_t, pos_t, self.kv_caches, meta, lora)
+        caches = self.kv_caches if kv_layers is None else kv_layers
+        embeds = {"inputs_embeds": embeddings_with_images(self.model, ids_t, images)} if images else {}
         if row_slots is None:
-            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+            return self.model(ids_t, pos_t, caches, meta, **embeds)
         self.lora.batch.row_slots = row_slots
         try:
-            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+            return self.model(ids_t, pos_t, caches, meta, **embeds)
         finally:
             self.lora.batch.row_slots = None
 
