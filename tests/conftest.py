@@ -169,3 +169,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """(folder, hf_model): a tiny random LLaVA saved with its tokenizer, image processor and chat template."""
+    folder = str(tmp_path_factory.mktemp("tiny_llava"))
+    return folder, helpers.build_tiny_llava(folder)

@@ -407,3 +407,79 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random LLaVA: a CLIP tower (28-pixel images, 7-pixel patches: 16 image tokens), a tiny Llama, a word-level
+# tokenizer with the <image> token, CLIP's image processor config and a LLaVA-style chat template
+# ---------------------------------------------------------------------------------------------
+TINY_LLAVA_IMAGE_TOKEN = 511
+TINY_LLAVA_WORDS = ("USER: ASSISTANT: what is in this picture ? and that one describe the image compare two images "
+                    "a an cat dog red blue green one two three tell me more about it please . , !").split()
+TINY_LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def build_tiny_llava(folder: str, seed: int = 0, select_strategy: str = "default", feature_layer=-2):
+    """A tiny random transformers LlavaForConditionalGeneration saved to `folder` with its tokenizer, image
+    processor config and chat template; returns the model (float32, eval mode), the reference."""
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    text = transformers.LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 2})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=28, patch_size=7, projection_dim=16)
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=TINY_LLAVA_IMAGE_TOKEN,
+        vision_feature_layer=feature_layer, vision_feature_select_strategy=select_strategy,
+        image_seq_length=16 + (select_strategy == "full"))
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias") or "class_embedding" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "vision_tower" in name or "projector" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in TINY_LLAVA_WORDS:
+        vocab.setdefault(word, len(vocab))
+    while len(vocab) < TINY_LLAVA_IMAGE_TOKEN:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == TINY_LLAVA_IMAGE_TOKEN
+    tokenizer.chat_template = TINY_LLAVA_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    return model
+
+
+def tiny_image(width: int, height: int, seed: int = 0):
+    """A random RGB PIL image."""
+    import numpy as np
+    from PIL import Image
+    data = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(data, "RGB")
+
+
+def image_data_url(image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()

@@ -135,6 +135,9 @@ class SchedulerConfig:
     # against 1024; see docs/performance.md).
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 512  # per-request cap on one prefill chunk
+    # Schedule step N+1 while step N runs and apply N's outputs after N+1 is launched (tokenloom/engine/core.py);
+    # FastDeploy's enable_overlap_schedule.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
@@ -340,6 +343,64 @@ class LimitsConfig:
             _check(getattr(self, f.name) >= 0, f"{f.name} must be >= 0 (got {getattr(self, f.name)})")
 
 
+@dataclass
+class MultiModalConfig:
+    """Images in prompts (tokenloom/multimodal, docs/multimodal.md): what a request may carry, where images may
+    come from, and the encoder cache."""
+
+    # vLLM's --limit-mm-per-prompt: the most items of each modality in one prompt, as JSON ({"image": 4}).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 4})
+    # 20 MiB: OpenAI's own limit on an image in a request.
+    max_image_bytes: int = 20 * 1024 * 1024
+    # 7680 x 4320 (8K): larger than any tower's input by far, and ~100 MiB decoded as RGB, so a file that
+    # decodes to more is refused from its header before any pixel is decoded.
+    max_image_pixels: int = 7680 * 4320
+    # vLLM's --allowed-media-domains: hosts an http(s) image URL may name; None: no fetching at all.
+    allowed_media_domains: list[str] | None = None
+    # vLLM's --allowed-local-media-path: a directory file:// image URLs may read under; None: none.
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 5.0  # seconds for one http(s) image, connect to last byte (vLLM's default)
+    # Encoder rows (tokens) kept between steps and requests, keyed by the image's content hash; FastDeploy's
+    # max_encoder_cache. 4096 holds seven LLaVA-1.5 images (576 rows each).
+    max_encoder_cache: int = 4096
+
+    def __post_init__(self) -> None:
+        self.limit_mm_per_prompt = _parse_limit_mm(self.limit_mm_per_prompt)
+        _check(self.max_image_bytes >= 1, f"max_image_bytes must be >= 1 (got {self.max_image_bytes})")
+        _check(self.max_image_pixels >= 1, f"max_image_pixels must be >= 1 (got {self.max_image_pixels})")
+        _check(self.media_fetch_timeout > 0, f"media_fetch_timeout must be > 0 s (got {self.media_fetch_timeout})")
+        _check(self.max_encoder_cache >= 1, f"max_encoder_cache must be >= 1 token (got {self.max_encoder_cache})")
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [d for d in self.allowed_media_domains.split(",") if d]
+        if self.allowed_local_media_path is not None:
+            _check(os.path.isdir(self.allowed_local_media_path),
+                   f"allowed_local_media_path {self.allowed_local_media_path!r} is not a directory")
+            self.allowed_local_media_path = os.path.realpath(self.allowed_local_media_path)
+
+    @property
+    def max_images(self) -> int:
+        return self.limit_mm_per_prompt.get("image", 0)
+
+
+MODALITIES = ("image",)
+
+
+def _parse_limit_mm(value) -> dict[str, int]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--limit-mm-per-prompt is not valid JSON: {e}") from None
+    _check(isinstance(value, dict), f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} "
+           f"(got {value!r})")
+    unknown = sorted(set(value) - set(MODALITIES))
+    _check(not unknown, f"limit_mm_per_prompt: unknown modality {', '.join(unknown)} (known: {', '.join(MODALITIES)})")
+    for k, v in value.items():
+        _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+               f"limit_mm_per_prompt[{k!r}] must be an integer >= 0 (got {v!r})")
+    return dict(value)
+
+
 SPEC_METHODS = ("ngram", "draft_model")
 
 
@@ -505,6 +566,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     log_stats_interval: float = 10.0  # seconds between engine log lines; 0 = off
     # Structured outputs: <think> parser whose end marker starts constraints (tokenloom.structured.reasoning),
     # and the tool-call format the server parses (tokenloom.structured.tool_parsers).
@@ -528,6 +590,7 @@ class EngineConfig:
         _check(spec is None or spec.method != "draft_model" or self.parallel.tensor_parallel_size == 1,
                "speculative method 'draft_model' needs tensor_parallel_size 1 (use 'ngram' with tensor parallelism)")
         self._check_kv_connectors()
+        self._check_async_scheduling()
         if self.reasoning_parser is not None:
             _check(self.reasoning_parser in REASONING_PARSERS, f"reasoning_parser must be one of "
                    f"{', '.join(sorted(REASONING_PARSERS))} (got {self.reasoning_parser!r})")
@@ -551,6 +614,20 @@ class EngineConfig:
         _check(self.kv_offloading_backend is None or self.cache.enable_prefix_caching,
                "kv_offloading_backend needs prefix caching (offloaded blocks are found by their prefix hash)")
 
+    def _check_async_scheduling(self) -> None:
+        """What overlapped scheduling cannot run with yet: each needs the step's outputs before the next step
+        is scheduled (drafts to verify, KV transfers to account) or every rank to hold the sampled tokens."""
+        if not self.scheduler.async_scheduling:
+            return
+        _check(self.speculative_config is None,
+               "async_scheduling cannot be combined with speculative decoding (--speculative-config) yet")
+        _check(self.kv_transfer_config is None and self.kv_offloading_backend is None,
+               "async_scheduling cannot be combined with a KV connector (--kv-transfer-config, --splitwise-role, "
+               "--kv-offloading-backend) yet")
+        _check(self.parallel.tensor_parallel_size == 1,
+               f"async_scheduling needs tensor_parallel_size 1 (got {self.parallel.tensor_parallel_size}): only "
+               "the first rank samples, so the other ranks could not feed the sampled tokens forward")
+
     @property
     def kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_backend is None:
@@ -561,7 +638,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model, max_num_seqs=8, ...)``)."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "limits": LimitsConfig, "lora": LoRAConfig}
+                 "parallel": ParallelConfig, "limits": LimitsConfig, "lora": LoRAConfig,
+                 "multimodal": MultiModalConfig}
         values: dict[str, dict] = {name: {} for name in parts}
         top = {}
         for key, value in kwargs.items():
@@ -577,7 +655,8 @@ class EngineConfig:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineConfig":
         kwargs = {}
-        for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig, LoRAConfig):
+        for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LimitsConfig, LoRAConfig,
+                     MultiModalConfig):
             for f in fields(part):
                 if getattr(ns, f.name, None) is not None:
                     kwargs[f.name] = getattr(ns, f.name)
@@ -657,6 +736,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("max_num_seqs", int, "most requests running at once (default 64)")
     opt("max_num_batched_tokens", int, "token budget of one engine step (default 512)")
     opt("long_prefill_token_threshold", int, "most prompt tokens of one request in one step (default 512)")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
+                   default=env_default("async_scheduling", None, bool),
+                   help="overlap the engine's scheduling and output processing with the model's forward: step "
+                        "N+1 is scheduled and launched before step N's outputs are applied (docs/performance.md)")
     g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
                    default=env_default("tensor_parallel_size", None, int),
                    help="ranks that share the model (tensor parallel; default 1)")
@@ -719,6 +802,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("max_loras", int, "LoRA adapters resident at once, and so in one step (default 1)")
     opt("max_lora_rank", int, "highest LoRA rank served (default 16)")
     opt("max_cpu_loras", int, "LoRA adapters kept read in host memory (default --max-loras)")
+    opt("limit_mm_per_prompt", str, 'most images in one prompt, as JSON: {"image": 4} (default); 0 refuses images')
+    opt("max_image_bytes", int, "largest image a request may send, in bytes (default 20 MiB)")
+    opt("max_image_pixels", int, "largest decoded image, width x height (default 7680 x 4320); checked from the "
+        "header, before decoding")
+    g.add_argument("--allowed-media-domains", dest="allowed_media_domains", nargs="+", default=None,
+                   help="hosts whose http(s) image URLs the server fetches (default: none; only data: URLs)")
+    opt("allowed_local_media_path", str, "directory whose files file:// image URLs may name (default: none)")
+    opt("media_fetch_timeout", float, "seconds to fetch one http(s) image (default 5)")
+    g.add_argument("--max-encoder-cache", "--max_encoder_cache", dest="max_encoder_cache", type=int,
+                   default=env_default("max_encoder_cache", None, int),
+                   help="vision encoder rows kept for reuse across prefill chunks and requests, in tokens "
+                        "(default 4096; FastDeploy's max_encoder_cache)")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

@@ -114,3 +114,13 @@ def test_kv_budget_counts_the_weights_once(tiny_models):
         assert kv_bytes > 0.5 * total - in_use_before - 2 * 2 ** 30, (kv_bytes, total, in_use_before)
     finally:
         core.shutdown()
+
+
+def test_async_scheduling_on_cuda_gives_the_plain_loops_tokens(tiny_models, flashinfer_installed):
+    """The step thread on the device (its own current device, samples back through one CUDA event), CUDA
+    graphs included: the same greedy tokens as the plain loop."""
+    folder, _ = tiny_models("llama")
+    plain = _greedy(folder, dtype="bfloat16", attention_backend="flashinfer", cuda_graph_sizes=[1, 2, 4, 8])
+    overlapped = _greedy(folder, dtype="bfloat16", attention_backend="flashinfer", cuda_graph_sizes=[1, 2, 4, 8],
+                         async_scheduling=True)
+    assert overlapped == plain

@@ -86,6 +86,12 @@ def test_num_gpu_blocks_override_is_num_blocks():
     assert EngineConfig.from_args(parse("serve", "--num-gpu-blocks-override", "99")).cache.num_blocks == 99
 
 
+def test_async_scheduling_flag_and_fastdeploys_name_for_it():
+    assert EngineConfig.from_args(parse("serve", "--async-scheduling")).scheduler.async_scheduling
+    assert EngineConfig.from_args(parse("serve", "--enable-overlap-schedule")).scheduler.async_scheduling
+    assert not EngineConfig.from_args(parse("serve")).scheduler.async_scheduling
+
+
 def test_threads_flag_and_its_short_form():
     assert parse("generate", "hi", "-t", "3").threads == 3
     assert parse("serve", "--threads", "2").threads == 2

@@ -33,11 +33,16 @@ def _run(core, max_steps=200):
     return tokens, finished
 
 
+# Each test runs with the plain step loop and with async scheduling, where the step after a failed one is
+# already running when the failure is read (tokenloom/engine/faults.py: requeue_lost_steps).
+overlap = pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+
 GOOD = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [11, 12, 13, 14, 15, 16, 17, 18, 19]}
 
 
-def test_bad_request_fails_alone_batch_goes_on(make_core):
-    core = make_core()
+@overlap
+def test_bad_request_fails_alone_batch_goes_on(make_core, async_scheduling):
+    core = make_core(async_scheduling=async_scheduling)
     vocab = core.info.vocab_size
     ref = make_core()
     for rid, p in GOOD.items():
@@ -61,11 +66,12 @@ def test_bad_request_fails_alone_batch_goes_on(make_core):
     assert got[("after", 0)] == want[("a", 0)]
 
 
-def test_bad_decode_step_fails_only_that_request(make_core, monkeypatch):
+@overlap
+def test_bad_decode_step_fails_only_that_request(make_core, async_scheduling):
     """A fault that hits a running request mid-generation (injected, as a buggy logits processor would)."""
     from tokenloom.engine.faults import FaultInjector, InjectedFault
 
-    core = make_core()
+    core = make_core(async_scheduling=async_scheduling)
     for rid, p in GOOD.items():
         core.add_request(_req(rid, p, max_tokens=8))
     core.add_request(_req("victim", [99, 5, 6], max_tokens=8))
@@ -78,11 +84,14 @@ def test_bad_decode_step_fails_only_that_request(make_core, monkeypatch):
     assert core.stats()["kv_blocks_used"] == 0
 
 
-def test_engine_wide_fault_is_raised(make_core):
-    """When every request of the batch fails on its own, it is not the requests' fault: step raises."""
-    core = make_core()
+@overlap
+def test_engine_wide_fault_is_raised(make_core, async_scheduling):
+    """When every request of the batch fails on its own, it is not the requests' fault: step raises (with
+    async scheduling, the step() that reads the failed step's result)."""
+    core = make_core(async_scheduling=async_scheduling)
     vocab = core.info.vocab_size
     core.add_request(_req("x", [vocab + 1]))
     core.add_request(_req("y", [vocab + 2]))
     with pytest.raises(IndexError):
-        core.step()
+        for _ in range(3):
+            core.step()

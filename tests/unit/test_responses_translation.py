@@ -51,10 +51,17 @@ def test_a_tool_round_trip_becomes_an_assistant_turn_and_a_tool_message():
         {"role": "user", "content": "thanks"}]
 
 
+def test_an_input_image_becomes_a_chat_image_url_part_in_place():
+    content = [{"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "data:image/png;base64,AA"}]
+    assert messages_for([{"role": "user", "content": content}]) == [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+
+
 @pytest.mark.parametrize("raw, param", [
     ([{"type": "web_search_call", "id": "x"}], "input[0].type"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_file", "file_id": "u"}]}],
      "input[1].content[0].type"),
+    ([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}], "input[0].content[0].image_url"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
     ([{"role": "robot", "content": "a"}], "input[0].role"),
     ([{"role": "user", "content": 5}], "input[0].content"),

@@ -13,6 +13,7 @@ import msgspec
 
 from tokenloom.core.kv_metadata import KVConnectorMetadata, KVConnectorOutput
 from tokenloom.core.lora_request import LoRASlotLoad
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams
 
 # One token's logprobs: [[token_id, logprob, rank], ...], the chosen token first, then the top-k.
@@ -38,6 +39,7 @@ class NewRequestData(msgspec.Struct, kw_only=True, array_like=True):
     bad_words_token_ids: list[list[int]] = []
     output_token_ids: list[int] = []  # sampled elsewhere already (a remote prefill's first token)
     lora_int_id: int = 0  # its LoRA adapter (0: the base model); resident in a slot whenever it is scheduled
+    images: list[ImageInput] = []  # its prompt's images: encoded when a step's tokens reach their placeholders
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
@@ -47,7 +49,13 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     new_token_ids: list[int]  # tokens appended since (the previous step's samples)
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The sequence's token count once the delta is applied. Tokens a worker holds past it (and past the new ones)
+    # are dropped: a sample it fed forward into a step whose outputs were then thrown away (async scheduling).
+    num_tokens: int
     replace_block_ids: bool = False  # new_block_ids is the whole table (after a preemption, or blocks released)
+    # Async scheduling: the sequence's last input is the token this worker sampled for it in the step before,
+    # which the scheduler has not seen yet (that step is still in flight when this one is scheduled).
+    takes_last_sample: bool = False
 
 
 class ForkedSequence(msgspec.Struct, kw_only=True, array_like=True):
@@ -92,6 +100,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     propose_drafts: bool = False
     kv_connector: KVConnectorMetadata | None = None  # KV loads, saves and publications (tokenloom.kv_transfer)
     lora_loads: list[LoRASlotLoad] = []  # adapters to put into slots before the forward (applied once per step id)
+    # Images (content hashes) whose encoder rows no sequence will read again: the workers drop them.
+    encoder_cache_frees: list[str] = []
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +109,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
     def __bool__(self) -> bool:
         return (bool(self.num_scheduled_tokens) or bool(self.forks) or self.kv_connector is not None
-                or bool(self.lora_loads))
+                or bool(self.lora_loads) or bool(self.encoder_cache_frees))
 
     def subset(self, keys: list[str]) -> "SchedulerOutput":
         """The same step computing some sequences only: how fault isolation re-runs part of a failed batch.

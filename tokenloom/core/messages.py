@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.core.lora_request import LoRARequest
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     # Data parallel: the engine replica that must run it (None: the frontend chooses; dp_client.py).
     data_parallel_rank: int | None = None
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    images: list[ImageInput] = []  # its images, in prompt order, placeholders already expanded
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenloom.core.contract import sequence_key
 from tokenloom.core.lora_request import LoRARequest
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams
 
 _ARRIVAL_ORDER = itertools.count()  # breaks ties between equal arrival timestamps
@@ -30,7 +31,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  arrival_time: float | None = None, priority: int = 0, eos_token_ids: list[int] = (),
                  bad_words_token_ids: list[list[int]] = (), cache_salt: str | None = None, index: int = 0,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, images: list[ImageInput] = ()):
         self.request_id = request_id
         self.index = index
         self.key = sequence_key(request_id, index)
@@ -46,6 +47,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        self.images = list(images)  # placeholder spans in the prompt, in order
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set on first schedule
@@ -60,6 +62,10 @@ class Request:
         # Their grammar bitmasks, one per verified position (1 + len(drafts)), when a grammar constrains any.
         self.spec_bitmasks: list[bytes | None] | None = None
         self.resend_blocks = False  # the block table changed wholesale (preempted, blocks released): send it all
+        # Async scheduling: steps in flight that sample this sequence, whose tokens the scheduler does not know
+        # yet (vLLM's output placeholders); and the newest step that computes it, as (step id, tokens).
+        self.num_output_placeholders = 0
+        self.latest_step = (0, 0)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
@@ -77,6 +83,14 @@ class Request:
         if not self.lora_int_id:
             return self.cache_salt
         return f"{self.cache_salt or ''}\x00lora:{self.lora_int_id}"
+
+    def block_salt(self, start: int, end: int) -> str | None:
+        """The prefix-cache salt of the block holding tokens [start, end): `block_hash_salt`, plus the content
+        hash of each image whose placeholders lie in it, so the same text with another image never hits."""
+        images = [f"{im.content_hash}@{im.offset}" for im in self.images if im.overlaps(start, end)]
+        if not images:
+            return self.block_hash_salt
+        return f"{self.block_hash_salt or ''}\x00image:{','.join(images)}"
 
     @property
     def num_prompt_tokens(self) -> int:

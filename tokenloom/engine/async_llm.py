@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+
+from PIL import Image
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.engine_info import EngineInfo
@@ -152,7 +154,8 @@ class AsyncLLM:
         assert self.tokenizer is not None
         self.load.calibrate(info.warmup_decode_seconds)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len,
-                                              info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids))
+                                              info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids),
+                                              model_path=self.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_defaults = load_generation_defaults(self.model_path)
         if self.served_model_name is None:
@@ -300,15 +303,16 @@ class AsyncLLM:
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                       data_parallel_rank: int | None = None) -> EngineCoreRequest:
-        """Tokenize and validate (raises RequestValidationError / SamplingParamsError)."""
+                       data_parallel_rank: int | None = None, images: Sequence[Image.Image] = ()) -> EngineCoreRequest:
+        """Tokenize and validate (raises RequestValidationError / SamplingParamsError); `images`: decoded images
+        for the prompt's placeholders (a blocking call then: run it in a thread)."""
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
             raise RequestValidationError(f"data_parallel_rank {data_parallel_rank} is out of range: this server "
                                          f"runs {self.data_parallel_size} engine replica(s) "
                                          f"(0..{self.data_parallel_size - 1})", param="data_parallel_rank")
         assert self.input_processor is not None, "the engine is not started"
         req = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                           arrival_time=arrival_time, cache_salt=cache_salt)
+                                           arrival_time=arrival_time, cache_salt=cache_salt, images=list(images))
         req.data_parallel_rank = data_parallel_rank
         return req
 

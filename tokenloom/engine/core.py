@@ -1,11 +1,19 @@
 """EngineCore: owns the scheduler, the KV block pool and the executor; one step = schedule, execute, update.
 
 The step contract the scheduler returns goes to the executor as it is: forks, drafts and grammar bitmasks
-are the scheduler's decisions, made before it allocates the step's KV slots."""
+are the scheduler's decisions, made before it allocates the step's KV slots.
+
+With async scheduling (--async-scheduling) a step is launched before the outputs of the step before it are
+applied: `step()` schedules step N+1, hands it to the workers, then applies step N's outputs while N+1 runs,
+and returns them (the process loop then sends them, still during N+1). The workers feed each sequence's
+newest sample into N+1 themselves, so the scheduler needs nothing of N to schedule N+1; a sequence that N
+finishes wastes its slot in N+1, whose output for it is dropped.
+"""
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -14,10 +22,10 @@ from tokenloom.core.contract import ExpertLoadReport, ModelRunnerOutput, Schedul
 from tokenloom.core.lora_request import LoRARequest
 from tokenloom.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenloom.core.request import Request
-from tokenloom.engine.faults import FaultInjector, recover_failed_step
+from tokenloom.engine.faults import FaultInjector, recover_failed_step, requeue_lost_steps
 from tokenloom.engine.lora_registry import LoRARegistry
 from tokenloom.engine.weight_control import WeightControl
-from tokenloom.executor.base import Executor
+from tokenloom.executor.base import Executor, ExecutorFault, FinishedStep, StepFuture
 from tokenloom.executor.factory import make_executor
 from tokenloom.kv_transfer.factory import make_scheduler_connector
 from tokenloom.profiler import PROFILER
@@ -45,7 +53,8 @@ class EngineCore:
         self.kv_connector = make_scheduler_connector(config, self.kv_manager, self.info.kv_connector)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    speculative=config.speculative_config, connector=self.kv_connector,
-                                   vocab_size=self.info.vocab_size, max_loras=config.lora.num_slots)
+                                   vocab_size=self.info.vocab_size, max_loras=config.lora.num_slots,
+                                   max_encoder_cache=config.multimodal.max_encoder_cache)
         self.loras = LoRARegistry(config.lora, self.info.lora_target_shapes, self.info.num_layers)
         self._finished: list[EngineCoreOutput] = []
         self.last_step_tokens = 0  # tokens the latest step computed
@@ -56,6 +65,9 @@ class EngineCore:
         self.structured = StructuredEngine(self.info.model_path, self.info.vocab_size, config.reasoning_parser)
         self.weights = WeightControl(self.kv_manager)
         self.expert_load: ExpertLoadReport | None = None  # the latest re-placement's figures (--enable-eplb)
+        self.overlap = config.scheduler.async_scheduling
+        self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # launched, outputs not applied
+        self.one_step_at_a_time: set[str] = set()  # sequences run without overlap after a failed step (faults.py)
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -64,7 +76,8 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
                           priority=req.priority, eos_token_ids=req.eos_token_ids,
                           bad_words_token_ids=req.bad_words_token_ids,
-                          cache_salt=self.weights.salted(req.cache_salt), lora_request=req.lora_request)
+                          cache_salt=self.weights.salted(req.cache_salt), lora_request=req.lora_request,
+                          images=req.images)
         request.structured = self.structured.new_state(req.prompt_token_ids, req.sampling_params,
                                                        req.eos_token_ids)
         self._finished.extend(self.scheduler.add_request(request))
@@ -87,29 +100,36 @@ class EngineCore:
         return self.loras.remove(lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step would do something: outputs to hand back, or requests to run (none while paused)."""
-        return bool(self._finished) or (self.scheduler.has_unfinished() and self.weights.running)
+        """Whether a step would do something: outputs to hand back, a step in flight, or requests to run (none
+        while paused)."""
+        return (bool(self._finished) or bool(self._in_flight)
+                or (self.scheduler.has_unfinished() and self.weights.running))
 
     # ---- weights and memory (training loops: tokenloom/engine/weight_control.py) --------------------------
     def update_weights_from_disk(self, path: str) -> bool:
+        self.drain()
         self.weights.update(lambda: self.executor.collective_rpc("update_weights_from_path", path))
         return True
 
     def update_weights(self, tensors: dict[str, torch.Tensor]) -> bool:
+        self.drain()
         self.weights.update(lambda: self.executor.update_weights_from_tensors(tensors))
         return True
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo") -> bool:
+        self.drain()
         self.weights.on_workers(lambda: self.executor.collective_rpc(
             "init_weights_update_group", master_address, master_port, rank_offset, world_size, backend))
         return True
 
     def update_weights_from_distributed(self, metas_json: str) -> bool:
+        self.drain()
         self.weights.update(lambda: self.executor.collective_rpc("update_weights_from_distributed", metas_json))
         return True
 
     def destroy_weights_update_group(self) -> bool:
+        self.drain()
         self.weights.on_workers(lambda: self.executor.collective_rpc("destroy_weights_update_group"))
         return True
 
@@ -122,6 +142,7 @@ class EngineCore:
         return True
 
     def sleep(self, level: int = 1) -> bool:
+        self.drain()
         self.weights.check_can_sleep(level, self.scheduler.has_unfinished())
         self.weights.on_workers(lambda: self.executor.collective_rpc("sleep", level))
         self.weights.sleep_level = level
@@ -130,6 +151,7 @@ class EngineCore:
 
     def wake_up(self) -> bool:
         if self.weights.sleep_level:
+            self.drain()
             self.weights.on_workers(lambda: self.executor.collective_rpc("wake_up"))
             self.weights.sleep_level = 0
         return True
@@ -146,6 +168,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         try:
+            self.drain()
             self._last_connector_step()
         finally:
             self.executor.shutdown()
@@ -163,25 +186,58 @@ class EngineCore:
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step, then apply the outputs of the steps before it, oldest first: all of
+        them, or with async scheduling all but the one just launched."""
         outputs, self._finished = self._finished, []
         self.last_step_tokens = 0
-        if not self.weights.running:
-            return outputs
-        with PROFILER.section("schedule"):
-            step = self.scheduler.schedule()
-        if not step:
-            return outputs
+        launched = False
+        if self.weights.running:
+            with PROFILER.section("schedule"):
+                step = self.scheduler.schedule()
+            if step:
+                launched = self._launch(step)
+        ahead = 1 if launched and self._overlapping() else 0
+        while len(self._in_flight) > ahead:
+            outputs.extend(self._complete(*self._in_flight.popleft()))
+        return outputs
+
+    def drain(self) -> None:
+        """Apply the outputs of the step in flight, so the workers are idle (before a weight update, sleep or
+        shutdown); the next `step()` returns them."""
+        while self._in_flight:
+            self._finished.extend(self._complete(*self._in_flight.popleft()))
+
+    def _overlapping(self) -> bool:
+        self.one_step_at_a_time &= self.scheduler.requests.keys()
+        return self.overlap and not self.one_step_at_a_time
+
+    def _launch(self, step: SchedulerOutput) -> bool:
+        """Hand `step` to the workers; False when it failed before reaching them (then it is dealt with
+        before any later step is scheduled)."""
         try:
-            result = self.execute(step)
+            if self.faults is not None:
+                self.faults.before_execute(step, self.scheduler.requests)
+            self._in_flight.append((step, self.executor.submit_model(step)))
+            return True
+        except Exception as exc:  # noqa: BLE001 - read back in order, like a failure in a worker
+            self._in_flight.append((step, FinishedStep(error=exc)))
+            return False
+
+    def _complete(self, step: SchedulerOutput, future: StepFuture) -> list[EngineCoreOutput]:
+        try:
+            result = future.result()
         except Exception as exc:  # noqa: BLE001 - one request's fault must not fail the batch
-            outputs.extend(recover_failed_step(self, step, exc))
+            if self._in_flight:  # a later step ran on this one's samples: both are void
+                outputs = requeue_lost_steps(self, [step, *self._abandon_in_flight()], exc)
+            else:
+                outputs = recover_failed_step(self, step, exc)
         else:
             with PROFILER.section("update"):
-                outputs.extend(self.update(step, result))
+                outputs = self.update(step, result)
         PROFILER.steps += 1
         self.counters["steps"] += 1
         self.counters["batched_tokens"] += step.num_tokens
-        self.last_step_tokens = step.num_tokens
+        self.last_step_tokens += step.num_tokens
         self._maybe_log(step.num_tokens)
         return outputs
 
@@ -189,6 +245,20 @@ class EngineCore:
         if self.faults is not None:
             self.faults.before_execute(step, self.scheduler.requests)
         return self.executor.execute_model(step)
+
+    def _abandon_in_flight(self) -> list[SchedulerOutput]:
+        """Wait for the steps in flight and drop their outputs; returns them."""
+        steps = []
+        while self._in_flight:
+            step, future = self._in_flight.popleft()
+            try:
+                future.result()
+            except ExecutorFault:
+                raise
+            except Exception:  # noqa: BLE001 - its outputs are void whether it ran or not
+                pass
+            steps.append(step)
+        return steps
 
     def update(self, step: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         if result.expert_load is not None:

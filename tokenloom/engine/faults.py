@@ -18,6 +18,12 @@ tokens (rewritten with the same values) and the scheduler state is only advanced
 draw from their generator twice when the fault came after sampling; they stay valid
 samples but not the exact seeded sequence.
 
+Under async scheduling the step after a failed one is usually running already, on samples the failed step
+never produced, so neither can be kept or re-run piecewise (`requeue_lost_steps`): once the later step has
+returned, the sequences of both compute again from their known tokens, as after a preemption, and run
+without overlap until they finish, so the step that breaks again is the newest one and is bisected as
+above. Cost: recomputing those sequences' tokens once, paid only when a step fails.
+
 `FaultInjector` (off unless ``TOKENLOOM_FAULTS`` is set; used by the reliability tests
 against a real engine) makes executing a batch misbehave when it holds a request whose
 prompt starts with a given token id: ``TOKENLOOM_FAULTS="step_error=77777,step_hang=77778"``.
@@ -81,6 +87,20 @@ class FaultInjector:
                 logger.warning("injected hang for request %s", r.request_id)
                 while True:
                     time.sleep(3600)
+
+
+def requeue_lost_steps(core: EngineCore, steps: list[SchedulerOutput], exc: BaseException) -> list[EngineCoreOutput]:
+    """`steps[0]` failed and the later ones (launched on its samples, already waited for) are void: their
+    sequences compute again, one step at a time. Nothing is emitted for them now."""
+    if isinstance(exc, ExecutorFault):
+        raise exc
+    keys = {k for step in steps for k in step.num_scheduled_tokens}
+    logger.error("engine step with %d sequence(s) failed (%s: %s) while the next step ran on its samples; "
+                 "%d sequence(s) compute again without overlap", len(steps[0].num_scheduled_tokens),
+                 type(exc).__name__, exc, len(keys))
+    core.scheduler.requeue_after_failure(steps)
+    core.one_step_at_a_time.update(keys)
+    return []
 
 
 def recover_failed_step(core: EngineCore, step: SchedulerOutput, exc: BaseException) -> list[EngineCoreOutput]:

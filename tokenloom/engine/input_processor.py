@@ -5,11 +5,16 @@ import logging
 import time
 from dataclasses import replace
 
+from PIL import Image
+
 from tokenloom.config import EngineConfig
 from tokenloom.core.errors import RequestValidationError
 from tokenloom.core.messages import EngineCoreRequest
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams, SamplingParamsError
 from tokenloom.model.logits_processor import load_processor_class
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.processor import ImageProcessor
 from tokenloom.structured.backend import get_backend
 from tokenloom.structured.spec import normalize_structured_outputs
 from tokenloom.tokenizer import Tokenizer
@@ -33,7 +38,9 @@ def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> li
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], model_path: str | None = None):
+        """`model_path`: the model's folder, whose processor config says how prompts take images (none for a
+        text model)."""
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = max_model_len
@@ -41,6 +48,7 @@ class InputProcessor:
         self.eos_token_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(eos_token_ids)))
         # Checked here, on the API side, so a bad argument is a 400 before the request reaches the engine.
         self.logits_processor_classes = [load_processor_class(name) for name in config.model.logits_processors or ()]
+        self.image_processor = ImageProcessor.for_model(model_path, config.multimodal)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -48,15 +56,40 @@ class InputProcessor:
         return list(prompt)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None, cache_salt: str | None = None) -> EngineCoreRequest:
+                arrival_time: float | None = None, cache_salt: str | None = None,
+                images: list[Image.Image] = ()) -> EngineCoreRequest:
+        """`images`: decoded images for the prompt's image placeholders, in order (a blocking call when there
+        are any: preprocessing runs here)."""
         ids = self.tokenize(prompt)
+        ids, image_inputs = self.prepare_images(ids, list(images))
         params = self.validate(ids, params)
         self.check_structured(params)
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=arrival_time or time.time(), priority=priority,
             bad_words_token_ids=self._bad_words(params.bad_words), eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, images=image_inputs)
+
+    def check_image_count(self, num_images: int) -> None:
+        """Refuse a request's images before any is fetched or decoded: a text model takes none, and a prompt
+        at most --limit-mm-per-prompt."""
+        if not num_images:
+            return
+        if self.image_processor is None:
+            raise ImageInputError("this model reads no images (a text-only model); send text only")
+        self.image_processor.check_count(num_images)
+
+    def prepare_images(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image placeholders expanded, and the engine's ImageInputs."""
+        self.check_image_count(len(images))
+        if self.image_processor is None or not (images or self.image_processor.placeholder_token_id in ids):
+            return ids, []
+        ids, inputs = self.image_processor.prepare(ids, images)
+        cache = self.config.multimodal.max_encoder_cache
+        if any(im.length > cache for im in inputs):
+            raise ImageInputError(f"an image takes {inputs[0].length} encoder rows; the encoder cache holds "
+                                  f"{cache} (--max-encoder-cache)")
+        return ids, inputs
 
     def validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a tokenized prompt against the context and limits; returns params with max_tokens clamped."""

@@ -4,7 +4,8 @@ A command line copied from `vllm serve` or `llama-server` should work after chan
 program name. Three kinds of flags live here:
 
 * aliases of tokenloom's own options (``--num-gpu-blocks-override`` = ``--num-blocks``,
-  llama.cpp's ``-c``/``--ctx-size`` = ``--max-model-len``, ``-np``/``--parallel`` = ``--max-num-seqs``);
+  llama.cpp's ``-c``/``--ctx-size`` = ``--max-model-len``, ``-np``/``--parallel`` = ``--max-num-seqs``,
+  FastDeploy's ``--enable-overlap-schedule`` = ``--async-scheduling``);
 * flags whose vLLM meaning tokenloom already has, accepted as such (``--enable-prefix-caching``,
   ``--trust-remote-code``: tokenloom never runs a model's own code, ``--enable-chunked-prefill``:
   prefill is always chunked);
@@ -34,8 +35,7 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "tokenloom never downloads models: give a local GGUF file or model folder",
     ("--tool-parser-plugin",): "tool-parser plugins are not supported; see --tool-call-parser",
     ("--middleware",): "custom ASGI middleware is not supported",
-    ("--mmproj",): "multimodal models are not supported yet",
-    ("--limit-mm-per-prompt",): "multimodal models are not supported yet",
+    ("--mmproj",): "GGUF vision projectors are not supported: serve a LLaVA safetensors folder (docs/multimodal.md)",
     ("--rope-scaling", "--rope-freq-base", "--rope-freq-scale"):
         "RoPE overrides are not supported: the model's own RoPE settings are used",
 }
@@ -76,6 +76,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's name of --num-blocks")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching_flag", action="store_true",
                    default=False, help="automatic prefix caching (on by default)")
+    g.add_argument("--enable-overlap-schedule", dest="async_scheduling", action="store_true",
+                   default=argparse.SUPPRESS, help="FastDeploy's name of --async-scheduling")
     g.add_argument("--trust-remote-code", action="store_true", default=False,
                    help="accepted for vLLM command lines; tokenloom never runs code shipped with a model")
     g.add_argument("--enable-chunked-prefill", action="store_true", default=False,

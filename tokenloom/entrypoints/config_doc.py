@@ -90,7 +90,7 @@ def _dataclass_defaults() -> dict[str, object]:
     they read unset: the caller holds _recording)."""
     out: dict[str, object] = {}
     for cls in (config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
-                config.LimitsConfig, config.EngineConfig):
+                config.LimitsConfig, config.MultiModalConfig, config.EngineConfig):
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 out.setdefault(f.name, f.default)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from tokenloom.config import ConfigError, EngineConfig
@@ -18,12 +19,17 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.weight_control import WeightControlError
 from tokenloom.executor.base import WorkerCallError
 from tokenloom.model.pooling_config import truncate
+from tokenloom.multimodal.chat_parts import ImageRef, split_image_parts
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.image_source import image_bytes
 from tokenloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenloom.profiler import PROFILER
 from tokenloom.tokenizer import Tokenizer
 from tokenloom.worker.messages import WorkerArg
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's dict form: {"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+# {"image": a PIL image or a list of them}}.
+Prompt = str | list[int] | dict[str, object]
 # One adapter for every prompt, or one (or None: the base model) per prompt, as vLLM takes it.
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
@@ -43,7 +49,7 @@ class LLM:
         info = self.engine.info
         self.tokenizer = Tokenizer.from_model_path(info.model_path)
         self.input_processor = InputProcessor(self.tokenizer, self.config, info.max_model_len, info.vocab_size,
-                                              info.eos_token_ids)
+                                              info.eos_token_ids, model_path=info.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -127,12 +133,18 @@ class LLM:
              lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        split = [split_image_parts(conv) for conv in conversations]
+        conversations, images = [c for c, _ in split], [refs for _, refs in split]
+        for refs in images:
+            self.input_processor.check_image_count(len(refs))
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
                                                       chat_template=chat_template, tools=tools,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
-        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        prompt_ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False),
+                       "multi_modal_data": {"image": [self._load_image(ref) for ref in refs]}}
+                      for p, refs in zip(prompts, images)]
         outputs = self.generate(prompt_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out, text in zip(outputs, prompts):
             out.prompt = text
@@ -151,6 +163,7 @@ class LLM:
     def collective_rpc(self, method: str, args: tuple[WorkerArg, ...] = ()) -> None:
         """Call a worker method on every rank (those of tokenloom.worker.messages.WORKER_METHODS: the weight
         updates, the weight-sync group, sleep and wake); raises what rank 0 raised."""
+        self.engine.drain()
         try:
             self.engine.executor.collective_rpc(method, *args)
         except WorkerCallError as exc:
@@ -181,9 +194,10 @@ class LLM:
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             rid = str(next(self._ids))
-            req = self.input_processor.process(rid, prompt, p, priority[i] if priority else 0)
+            text, images = _prompt_parts(prompt)
+            req = self.input_processor.process(rid, text, p, priority[i] if priority else 0, images=images)
             req.lora_request = loras[i]
-            requests.append((req, prompt))
+            requests.append((req, text))
         ids = []
         for req, prompt in requests:  # validate all first, so one bad prompt adds nothing
             self.output_processor.add_request(req.request_id, prompt if isinstance(prompt, str) else None,
@@ -191,6 +205,14 @@ class LLM:
             self.engine.add_request(req)
             ids.append(req.request_id)
         return ids
+
+    def _load_image(self, ref: ImageRef) -> Image.Image:
+        if isinstance(ref, Image.Image):
+            return ref
+        processor = self.input_processor.image_processor
+        if processor is None:
+            raise ImageInputError("this model reads no images (a text-only model); send text only")
+        return processor.decode(image_bytes(ref, self.config.multimodal))
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():
@@ -215,8 +237,25 @@ def _loras_for(lora_request: LoRAArg, n: int) -> list[LoRARequest | None]:
     return loras
 
 
+def _prompt_parts(prompt: Prompt) -> tuple[str | list[int], list[Image.Image]]:
+    """A prompt's text (or ids) and its images."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if not isinstance(text, (str, list)):
+        raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+    unknown = set((prompt.get("multi_modal_data") or {})) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: unsupported modality {', '.join(sorted(unknown))} (supported: image)")
+    images = (prompt.get("multi_modal_data") or {}).get("image", [])
+    images = [images] if isinstance(images, Image.Image) else list(images)
+    if any(not isinstance(im, Image.Image) for im in images):
+        raise ValueError("multi_modal_data['image'] takes PIL images")
+    return text, images
+
+
 def _as_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if prompts and isinstance(prompts[0], int):
         return [list(prompts)]

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.core.contract import ModelRunnerOutput, SchedulerOutput
-from tokenloom.executor.base import Executor, ExecutorFault, WorkerCallError
+from tokenloom.executor.base import Executor, ExecutorFault, StepFuture, WorkerCallError
 from tokenloom.model.loader import read_arch_config
 from tokenloom.worker import messages
 from tokenloom.worker.messages import WorkerArg
@@ -68,7 +68,15 @@ class MultiprocExecutor(Executor):
         return msg.info
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit_model(step).result()
+
+    def submit_model(self, step: SchedulerOutput) -> StepFuture:
+        """Rank 0 takes steps in order from its socket and answers in that order: a step sent while the one
+        before runs waits there, and each reply is read by the step's `result()`, oldest first."""
         self.to_rank0.send(messages.encode(messages.ExecuteModel(step=step)))
+        return _StepReply(self)
+
+    def read_step_reply(self) -> ModelRunnerOutput:
         msg = self._receive()
         if isinstance(msg, messages.StepDone):
             return msg.output
@@ -124,6 +132,14 @@ class MultiprocExecutor(Executor):
         for proc in getattr(self, "procs", {}).values():
             if proc.poll() is None:
                 proc.kill()
+
+
+class _StepReply:
+    def __init__(self, executor: MultiprocExecutor):
+        self.executor = executor
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor.read_step_reply()
 
 
 def _bind(sock: zmq.Socket) -> str:

@@ -19,6 +19,12 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Vision-language models: their text model is one of these (config.json's text_config.model_type).
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+MULTIMODAL_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# transformers' LlamaConfig defaults (Llama 2 7B), for a text_config that states only what differs.
+LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
 # The sizes every HF config.json states (decoders and BERT alike); the rest have defaults.
 HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # The GGUF metadata (`<arch>.<key>`) every file states; llama.cpp refuses a file without them too.
@@ -68,6 +74,8 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # A vision-language model's whole config.json (its text model's fields are the ones above).
+    multimodal_config: JsonObject | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window layer `layer` attends within; None: the whole context (a window as long as
@@ -126,6 +134,8 @@ class ArchConfig:
     def from_hf(cls, cfg: JsonObject) -> "ArchConfig":
         """From a config.json; a missing or ill-typed size is a CorruptModelError naming the key."""
         arch = hf_architecture(cfg)
+        if arch in MULTIMODAL_ARCHITECTURES:
+            return replace(cls.from_hf(_text_config(cfg, arch)), architecture=arch, multimodal_config=dict(cfg))
         missing = [key for key in HF_REQUIRED if key not in cfg]
         if missing:
             raise CorruptModelError(f"config.json lacks {', '.join(map(repr, missing))} (needed by {arch})")
@@ -227,6 +237,21 @@ def hf_architecture(cfg: JsonObject) -> str:
         raise UnsupportedModelError("config.json names no 'architectures' (a transformers model folder lists "
                                     "its class there, e.g. [\"LlamaForCausalLM\"])")
     return archs[0]
+
+
+def _text_config(cfg: JsonObject, arch: str) -> JsonObject:
+    """A vision-language config's text model as a config.json of its own. A LLaVA config.json often states
+    only the fields its text model changes from LlamaConfig's defaults (llava-1.5-7b-hf: vocab size,
+    context, norm eps), so those defaults fill the rest."""
+    text = cfg.get("text_config") or {}
+    kind = text.get("model_type", "llama")
+    if kind not in MULTIMODAL_TEXT_MODELS:
+        raise UnsupportedModelError(f"{arch} with a {kind!r} text model is not supported (supported: "
+                                    f"{', '.join(MULTIMODAL_TEXT_MODELS)})")
+    merged = {**LLAMA_DEFAULTS, **text, "architectures": [MULTIMODAL_TEXT_MODELS[kind]]}
+    if "tie_word_embeddings" in cfg:
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
 
 
 def _hf_moe(cfg: JsonObject, arch: str) -> JsonObject:

@@ -30,7 +30,7 @@ class KVCacheManager:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
             request.block_hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs],
-                                                   request.block_hash_salt))
+                                                   request.block_salt(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Longest chain of cached blocks for this request; the last token is always left to compute."""
@@ -80,11 +80,13 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(needed_blocks))
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register blocks that just became full and computed, so later requests can reuse them."""
+    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Register blocks that just became full and computed, so later requests can reuse them.
+        `num_computed_tokens`: how many of its tokens have their KV computed, when not all it counts do."""
         if not self.pool.enable_caching:
             return
-        full = request.num_computed_tokens // self.block_size
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        full = min(computed, request.num_tokens) // self.block_size
         self._extend_hashes(request, full * self.block_size)
         for i in range(request.num_released_blocks, full):
             self.pool.register(request.block_ids[i], request.block_hashes[i])

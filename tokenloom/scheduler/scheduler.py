@@ -24,6 +24,7 @@ from tokenloom.core.contract import (
 from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
+from tokenloom.scheduler.encoder_cache import EncoderCacheManager
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.lora_slots import LoRASlotTable
 from tokenloom.scheduler.structured_step import constrain_drafts, forced_token_logprobs, next_token_bitmask
@@ -37,9 +38,14 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  prefix_reorder_window: int = 8, speculative: SpeculativeConfig | None = None,
-                 connector: SchedulerConnector | None = None, vocab_size: int | None = None, max_loras: int = 0):
-        """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused)."""
+                 connector: SchedulerConnector | None = None, vocab_size: int | None = None, max_loras: int = 0,
+                 max_encoder_cache: int = 4096):
+        """`max_loras`: the workers' LoRA slots (0: LoRA off; a request naming an adapter is refused);
+        `max_encoder_cache`: image encoder rows the workers keep (`encoder_cache.py`)."""
         self.config = config
+        # Async scheduling: the next step is scheduled while this one runs, before its samples are known
+        # (`_schedule_ahead`); a step advances its sequences when it is scheduled, not when its outputs arrive.
+        self.overlap = config.async_scheduling
         self.vocab_size = vocab_size  # the width of a grammar's bitmask (requests with a `structured` state)
         self.kv = kv
         self.connector = connector or SchedulerConnector()  # KV loads from elsewhere (tokenloom.kv_transfer)
@@ -66,6 +72,7 @@ class Scheduler:
             self.lookahead = k if self.proposer is None else 0
         self._speculate = False
         self.lora_slots = LoRASlotTable(max_loras) if max_loras else None
+        self.encoder = EncoderCacheManager(max_encoder_cache, max(config.max_num_batched_tokens, 1))
         # vLLM's spec_decode counters: steps that verified drafts, drafts verified, drafts accepted, per position.
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -79,6 +86,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.lora_int_id and self.lora_slots is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        too_large = [im.length for im in request.images if im.length > self.encoder.capacity]
+        if too_large:
+            raise ValueError(f"an image of {too_large[0]} encoder rows does not fit the encoder cache "
+                             f"({self.encoder.capacity} rows, --max-encoder-cache)")
         first_token = self.connector.on_add(request)
         self.requests[request.key] = request
         outputs = []
@@ -109,6 +120,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.loading.pop(request.key, None)
+        self.encoder.release(request.key, request.images)
         hold, request.kv_transfer_params = self.connector.request_finished(request)
         if hold:  # the connector owns the blocks now (a producer's lease)
             request.block_ids = []
@@ -128,13 +140,22 @@ class Scheduler:
 
         preempted = False
         speculate = self._speculate = self._may_speculate(len(self.running))
+        self.encoder.begin_step()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
+            remaining = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            if self.overlap and (remaining <= 0 or (req.num_output_placeholders and not self._feeds_forward(req))):
+                i += 1  # waits for the step in flight: its outputs decide what it computes next
+                continue
             drafting = speculate and remaining == 1
             req.spec_token_ids, req.spec_bitmasks = self._drafts(req, budget) if drafting else ([], None)
             n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget)
+            if req.images and not req.spec_token_ids:
+                n = self.encoder.fit_chunk(req.key, req.images, req.num_computed_tokens, n)
+                if n == 0:  # its next token is an image this step cannot encode
+                    i += 1
+                    continue
             while not self.kv.allocate(req, n):
                 victim = max(self.running, key=Request.sort_key)
                 victim_index = self.running.index(victim)
@@ -157,6 +178,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             idx = self._pick_waiting()
             req = self.waiting[idx]
+            if req.num_output_placeholders:  # preempted with a sample in flight: back once it has arrived
+                deferred.append(self.waiting.pop(idx))
+                continue
             if req.lora_int_id and not self.lora_slots.acquire(req.lora_request, self._busy_loras()):
                 deferred.append(self.waiting.pop(idx))
                 continue
@@ -175,7 +199,12 @@ class Scheduler:
             n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens - external, budget)
             if n > budget:
                 break  # next step (validation keeps an embedding prompt within one step's budget)
+            if req.images:
+                n = self.encoder.fit_chunk(req.key, req.images, num_cached_tokens + external, n)
+                if n == 0:
+                    break  # its image waits for the next step's encoder budget
             if not self.kv.allocate(req, external + n, cached):
+                self.encoder.release(req.key, req.images)  # a request left waiting holds no encoder room
                 freed = self._preempt_for_priority(req, scheduled)
                 if freed is None:
                     break
@@ -204,6 +233,25 @@ class Scheduler:
             self._enqueue(req)
         return self._step_contract(scheduled)
 
+    def _feeds_forward(self, req: Request) -> bool:
+        """Whether a sequence whose sample is still in flight can be scheduled on: its worker feeds that
+        sample in as the next input. Not under a grammar (the next bitmask follows from the token), nor when
+        the sample forks the sequence (the siblings are made once the samples are known)."""
+        return req.structured is None and not req.pending_forks
+
+    def requeue_after_failure(self, steps: list[SchedulerOutput]) -> None:
+        """Async scheduling: `steps` were launched and their outputs are lost (one failed, and the next one
+        ran on samples it never produced). Their sequences compute again from their known tokens, as after a
+        preemption; the workers drop the samples they fed forward (`CachedRequestData.num_tokens`)."""
+        for key in {k for step in steps for k in step.num_scheduled_tokens}:
+            req = self.requests.get(key)
+            if req is None:
+                continue
+            req.num_output_placeholders = 0
+            req.sent_tokens = min(req.sent_tokens, req.num_tokens)
+            if req.status == RequestStatus.RUNNING:
+                self._preempt(req)
+
     def forget_lora(self, lora_int_id: int) -> None:
         if self.lora_slots is not None:
             self.lora_slots.forget(lora_int_id, self._busy_loras())
@@ -223,8 +271,10 @@ class Scheduler:
         self.pending_copies, self.finished_keys = [], []
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
+        out.encoder_cache_frees = self.encoder.take_frees()
         for req, n in scheduled:
             out.num_scheduled_tokens[req.key] = n
+            fed = self.overlap and req.num_computed_tokens + n > req.num_tokens  # its input: a sample in flight
             self.connector.on_scheduled(req, n)
             if req.spec_token_ids:
                 out.spec_token_ids[req.key] = req.spec_token_ids
@@ -240,17 +290,28 @@ class Scheduler:
                     sampling_params=req.params, block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens, eos_token_ids=req.eos_token_ids,
                     bad_words_token_ids=req.bad_words_token_ids, output_token_ids=req.output_token_ids,
-                    lora_int_id=req.lora_int_id))
+                    lora_int_id=req.lora_int_id, images=req.images))
                 req.sent_to_workers = True
             else:
                 first_block = 0 if req.resend_blocks else req.sent_blocks
                 out.cached_requests.append(CachedRequestData(
                     key=req.key, new_token_ids=req.token_ids[req.sent_tokens:],
                     new_block_ids=req.block_ids[first_block:], num_computed_tokens=req.num_computed_tokens,
-                    replace_block_ids=req.resend_blocks))
-            req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens, len(req.block_ids), False
+                    num_tokens=req.num_tokens + fed, replace_block_ids=req.resend_blocks, takes_last_sample=fed))
+            req.sent_tokens, req.sent_blocks, req.resend_blocks = req.num_tokens + fed, len(req.block_ids), False
+            req.latest_step = (self.num_steps, n)
+            if self.overlap:
+                self._schedule_ahead(req, n)
         out.kv_connector = self.connector.build_meta()
         return out
+
+    def _schedule_ahead(self, req: Request, n: int) -> None:
+        """Async scheduling: count the step as done for `req` now, so the next step can be scheduled before
+        its outputs are known; a step that reaches the sequence's end samples, which holds a placeholder
+        until `update_from_output` appends the token."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders and not req.params.embed:
+            req.num_output_placeholders += 1
 
     def _announce_forks(self) -> list[ForkData]:
         """The forks made since the last step, each child with its block table as of now (this step's
@@ -338,6 +399,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self.encoder.release(req.key, req.images)
         req.resend_blocks = True
         req.spec_token_ids, req.spec_bitmasks = [], None
         req.num_computed_tokens = 0
@@ -388,7 +450,10 @@ class Scheduler:
             if key in failed:  # its loaded KV is missing: what the forward computed on top of it is void
                 outputs.extend(self._load_failed(r, failed[key]))
                 continue
-            r.num_computed_tokens += n
+            if not self.overlap:
+                r.num_computed_tokens += n
+            if r.images:
+                self.encoder.release_past(key, r.images, r.num_computed_tokens)
             embedding = result.pooled.get(key)
             if embedding is not None:  # an embedding request is done after its one step
                 self.finish(r, "stop")
@@ -398,11 +463,13 @@ class Scheduler:
                 continue
             drafts = step.spec_token_ids.get(key)
             if drafts is None:
-                self.kv.cache_computed_blocks(r)
+                self.kv.cache_computed_blocks(r, self._num_confirmed_tokens(r, step.step_id))
             prompt_logprobs = result.prompt_logprobs.get(key)
             if prompt_logprobs and r.prompt_logprobs is not None:
                 r.prompt_logprobs.extend(prompt_logprobs)
             sampled = result.sampled.get(key)
+            if sampled and r.num_output_placeholders:
+                r.num_output_placeholders -= 1
             if not sampled:
                 if drafts is not None:  # nothing verified (cannot happen on a healthy step): recompute them
                     r.num_computed_tokens -= len(drafts)
@@ -422,6 +489,12 @@ class Scheduler:
                 if seq.structured is not None and not seq.is_finished:
                     outputs.extend(self._jump_forward(seq, now, max_model_len))
         return outputs
+
+    def _num_confirmed_tokens(self, r: Request, step_id: int) -> int:
+        """Tokens of `r` whose KV is computed once step `step_id` has run: under async scheduling, not those
+        of a later step still in flight (its blocks are not registered in the prefix cache before it ran)."""
+        later_step, later_tokens = r.latest_step
+        return r.num_computed_tokens - (later_tokens if self.overlap and later_step > step_id else 0)
 
     def _jump_forward(self, r: Request, now: float, max_model_len: int) -> list[EngineCoreOutput]:
         """Append the tokens r's grammar forces after its last sampled token (jump-forward decoding): output

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.core.contract import CachedRequestData, ForkData, ForkedSequence, NewRequestData
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams
 
 # Child c of a seeded request draws from seed + CHILD_SEED_STRIDE * c, so siblings differ.
@@ -35,6 +36,7 @@ class RequestState:
     generators: list[torch.Generator | None] = field(default_factory=list)
     index: int = 0  # the sequence's place among its request's (a fork's child: ForkedSequence.index)
     lora_int_id: int = 0  # its LoRA adapter (0: the base model)
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's, for a (re)computed prefill
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
@@ -46,10 +48,17 @@ class RequestState:
                    [] if params.ignore_eos else list(new.eos_token_ids),
                    [list(w) for w in new.bad_words_token_ids],
                    [_generator(params.seed, child, device) for child in range(width)],
-                   lora_int_id=new.lora_int_id)
+                   lora_int_id=new.lora_int_id, images=list(new.images))
 
-    def apply(self, delta: CachedRequestData) -> None:
+    def apply(self, delta: CachedRequestData, last_sample: int | None = None) -> None:
+        """Follow a delta; `last_sample`: the token this worker sampled for the sequence in its latest step,
+        which the delta may take as the sequence's next input (async scheduling)."""
+        del self.token_ids[delta.num_tokens - len(delta.new_token_ids) - delta.takes_last_sample:]
         self.token_ids.extend(delta.new_token_ids)
+        if delta.takes_last_sample:
+            if last_sample is None:
+                raise RuntimeError(f"sequence {self.key}: no sample of the step before to take as its input")
+            self.token_ids.append(last_sample)
         if delta.replace_block_ids:
             self.block_ids = list(delta.new_block_ids)
         else:
@@ -83,7 +92,7 @@ class RequestState:
         return RequestState(forked.key, self.request_id, self.params, self.prompt_token_ids, list(self.token_ids),
                             list(forked.block_ids), forked.num_computed_tokens, self.eos_token_ids,
                             self.bad_words_token_ids, [self.generators[forked.index]], forked.index,
-                            self.lora_int_id)
+                            self.lora_int_id, self.images)
 
 
 def apply_forks(states: dict[str, RequestState], forks: list[ForkData]) -> None:

@@ -20,6 +20,7 @@ from tokenloom.core.pooling import PoolingConfig
 from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.kv_transfer.worker_hook import ConnectorHook
 from tokenloom.lora.slots import LoRASlots
+from tokenloom.model.host_copy import to_host
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
 from tokenloom.model.native_stack import StackLoRA
@@ -30,6 +31,7 @@ from tokenloom.spec_decode.proposer import WorkerProposer
 from tokenloom.spec_decode.rejection_sampler import accept_deterministic, verify_sampled_drafts
 from tokenloom.structured.matcher import apply_token_bitmask
 from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
+from tokenloom.worker.encoder_cache import EncoderCache, ImageRows, embeddings_with_images
 from tokenloom.worker.forward_path import EAGER, ForwardPath, fast_path_takes_lora
 from tokenloom.worker.request_state import RequestState, apply_forks
 from tokenloom.worker.sampling_plan import SamplingPlan
@@ -67,12 +69,17 @@ class ModelRunner:
         self.sampler = Sampler(logits_processors)
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = -1
+        # Each sequence's newest sampled token: async scheduling takes it as the next step's input before the
+        # scheduler has seen it (CachedRequestData.takes_last_sample).
+        self.last_samples: dict[str, int] = {}
+        self.encoder_cache = EncoderCache(device)  # image encoder rows (multimodal models)
 
     def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
         """Serve another model of the same shapes (a weight update) from the next step on; the requests'
         states and the KV cache stay."""
         self.model = model
         self.forward = forward
+        self.encoder_cache.clear()
 
     # ---- state --------------------------------------------------------------
     def update_states(self, step: SchedulerOutput) -> None:
@@ -84,8 +91,11 @@ class ModelRunner:
             self.drafter.update_states(step)
         if step.lora_loads:
             self.lora.apply(step.lora_loads)
+        for key in step.finished_keys:
+            self.last_samples.pop(key, None)
+        self.encoder_cache.free(step.encoder_cache_frees)
         follow_step(step, self.kv_caches, self.requests, lambda new: RequestState.from_new(new, self.device),
-                    RequestState.apply, apply_forks)
+                    lambda state, delta: state.apply(delta, self.last_samples.get(delta.key)), apply_forks)
 
     # ---- one step -------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -116,8 +126,10 @@ class ModelRunner:
             self._check_vocabulary(layout.batch.input_ids)
             logit_rows = layout.logit_rows
             row_slots = self._lora_rows(layout.batch, scheduled)
+        with PROFILER.section("encoder"):
+            images = self.encoder_cache.step_image_rows(self.model, layout.batch, scheduled)
         with PROFILER.section("forward"):
-            hidden = self._forward(layout.batch, kv_layers, row_slots)
+            hidden = self._forward(layout.batch, kv_layers, row_slots, images)
             pooled = {key: pool(hidden[first:first + n], self.pooling).tolist()
                       for key, first, n in layout.pool_spans}
             if not logit_rows:
@@ -129,6 +141,7 @@ class ModelRunner:
             with PROFILER.section("sampling"):
                 out = self._sample(logit_rows, logits, step)
                 out.pooled = pooled
+            self.last_samples.update((key, seqs[0].token_ids[-1]) for key, seqs in out.sampled.items())
         forking = {r.key for r, _, samples in logit_rows if samples and r.forks}  # they fork next step
         if out is not None and self.drafter is not None and step.propose_drafts:
             with PROFILER.section("draft"):
@@ -148,13 +161,14 @@ class ModelRunner:
             return None
         return self.lora.row_slots(batch.row_values([r.lora_int_id for r, _ in scheduled]))
 
-    def _forward(self, batch: BatchLayout, kv_layers, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, batch: BatchLayout, kv_layers, row_slots: torch.Tensor | None = None,
+                 images: list[ImageRows] = ()) -> torch.Tensor:
         """Hidden states of the flat batch along the forward path: a captured CUDA graph for a decode-only
         step that fits one, the native decoder stack on the CPU, else the layer-by-layer forward (always,
-        with the connector's per-layer hooks). `row_slots`: the rows' LoRA slots, set on the layers for this
-        forward only."""
+        with the connector's per-layer hooks, and for a step with image rows). `row_slots`: the rows' LoRA
+        slots, set on the layers for this forward only; `images`: encoder rows over placeholder rows."""
         graphs, stack = self.forward.graphs, self.forward.native_stack
-        fast = row_slots is None or fast_path_takes_lora(self.forward.kind)
+        fast = (row_slots is None or fast_path_takes_lora(self.forward.kind)) and not images
         if fast and graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
             return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.spans)
         meta = batch.metadata(self.attention, self.device)
@@ -162,11 +176,13 @@ class ModelRunner:
         if fast and stack is not None and kv_layers is None and stack.can_run():
             lora = None if row_slots is None else StackLoRA(self.lora.targets, self.lora.batch.scaling, row_slots)
             return stack.run(ids_t, pos_t, self.kv_caches, meta, lora)
+        caches = self.kv_caches if kv_layers is None else kv_layers
+        embeds = {"inputs_embeds": embeddings_with_images(self.model, ids_t, images)} if images else {}
         if row_slots is None:
-            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+            return self.model(ids_t, pos_t, caches, meta, **embeds)
         self.lora.batch.row_slots = row_slots
         try:
-            return self.model(ids_t, pos_t, self.kv_caches if kv_layers is None else kv_layers, meta)
+            return self.model(ids_t, pos_t, caches, meta, **embeds)
         finally:
             self.lora.batch.row_slots = None
 
@@ -203,10 +219,12 @@ class ModelRunner:
         if any(m is not None for m in masks):
             apply_token_bitmask(sample_logits, masks)
         sampled = self.sampler(sample_logits, rows)
+        token_ids, lp_ids, lps, ranks = to_host(sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                                                sampled.ranks)
         packed = None
-        if sampled.logprobs is not None:
-            packed = _pack(sampled.logprob_token_ids, sampled.logprobs, sampled.ranks, sampled.logprobs.shape[1] - 1)
-        for j, (r, token) in enumerate(zip(owners, sampled.token_ids.tolist())):
+        if lps is not None:
+            packed = _pack(lp_ids, lps, ranks, lps.shape[1] - 1)
+        for j, (r, token) in enumerate(zip(owners, token_ids.tolist())):
             k = rows[j].params.logprobs
             logprobs = [packed[j][:1 + k]] if packed is not None and k is not None else None
             if r.key in positions and r.key in out.sampled:  # a later position of a verify span

@@ -223,15 +223,26 @@ class ChatMessage(OpenAIBaseModel):
                 raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts")
             for part in v:
                 kind = part.get("type")
+                if kind == "image_url":
+                    image = part.get("image_url")
+                    url = image.get("url") if isinstance(image, dict) else image
+                    if not isinstance(url, str) or not url:
+                        raise ValueError("an image_url content part needs image_url.url, a string")
+                    continue
                 if kind != "text":
-                    raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+                    raise ValueError(f"content part type {kind!r} is not supported (only 'text' and 'image_url')")
                 if not isinstance(part.get("text"), str):
                     raise ValueError("a text content part needs a string 'text'")
         return v
 
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.get("type") == "image_url" for part in self.content)
+
     def text_content(self) -> Optional[str]:
+        """The text of the message (its image parts left out)."""
         if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
+            return "".join(part["text"] for part in self.content if part.get("type") == "text")
         return self.content
 
 

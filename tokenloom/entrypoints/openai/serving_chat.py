@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
 
 from tokenloom.core.json_types import JsonObject
 from tokenloom.engine.input_processor import encode_text
@@ -23,6 +24,9 @@ from tokenloom.entrypoints.openai.streaming import (
     stream_error_chunk,
 )
 from tokenloom.entrypoints.openai.structured import ChatOutputParser, apply_constraints, template_tools
+from tokenloom.multimodal.chat_parts import ImageRef, split_image_parts
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.image_source import image_bytes
 from tokenloom.outputs import RequestOutput
 from tokenloom.tokenizer.chat_template import ChatTemplateError
 from tokenloom.tokenizer.template_process import render_untrusted
@@ -54,8 +58,10 @@ class OpenAIServingChat(OpenAIServing):
         messages = []
         for m in request.messages:
             d = m.model_dump(exclude_none=True)
-            d["content"] = m.text_content() if m.content is not None else ""
+            if not m.has_images:
+                d["content"] = m.text_content() if m.content is not None else ""
             messages.append(d)
+        messages, _ = split_image_parts(messages)  # image parts as the template's {"type": "image"}
         kwargs = dict(request.chat_template_kwargs or {})
         clash = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
         if clash:
@@ -86,6 +92,26 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequestError(message, param=param, code="invalid_value") from None
         return text, encode_text(self.tokenizer, text, add_special_tokens=False)
 
+    def image_refs(self, request: ChatCompletionRequest) -> list[ImageRef]:
+        """The request's images in order, checked against the model and --limit-mm-per-prompt before any is
+        fetched or decoded."""
+        with_images = [i for i, m in enumerate(request.messages) if m.has_images]
+        try:
+            _, refs = split_image_parts([request.messages[i].model_dump(exclude_none=True) for i in with_images])
+            self.engine.input_processor.check_image_count(len(refs))
+        except ImageInputError as e:
+            raise BadRequestError(e.message, param=f"messages[{with_images[0]}].content", code=e.code) from None
+        return refs
+
+    def load_images(self, refs: list[ImageRef]) -> list[Image.Image]:
+        """The images decoded (a blocking call: fetches and decodes)."""
+        processor = self.engine.input_processor.image_processor
+        config = self.engine.config.multimodal
+        try:
+            return [processor.decode(image_bytes(ref, config)) for ref in refs]
+        except ImageInputError as e:
+            raise BadRequestError(e.message, param="messages", code=e.code) from None
+
     async def render_prompt_async(self, request: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """`render_prompt` off the event loop: a slow render never holds up other requests."""
         return await asyncio.to_thread(self.render_prompt, request)
@@ -95,13 +121,18 @@ class OpenAIServingChat(OpenAIServing):
         """A checked chat request's prompt (text and ids) and its generation: the template, the sampling
         parameters, the structured-output constraints and the engine request. Every API that translates onto
         chat (Responses, Anthropic Messages) starts its generation here."""
+        refs = self.image_refs(request)
         text, prompt_ids = await self.render_prompt_async(request)
         params = self.sampling_params(request, max_tokens=request.effective_max_tokens, logprobs=logprobs,
                                       default_max_tokens=None)
         params = await apply_constraints(self, request, params, chat=True)
-        engine_request = self.process_inputs(request_id, prompt_ids, params, request.priority, request.cache_salt,
-                                             prompt_param="messages", data_parallel_rank=request.data_parallel_rank,
-                                             model=request.model)
+        args = (request_id, prompt_ids, params, request.priority, request.cache_salt)
+        kwargs = dict(prompt_param="messages", data_parallel_rank=request.data_parallel_rank, model=request.model)
+        if refs:  # fetching, decoding and preprocessing block: never on the event loop
+            images = await asyncio.to_thread(self.load_images, refs)
+            engine_request = await asyncio.to_thread(self.process_inputs, *args, images=images, **kwargs)
+        else:
+            engine_request = self.process_inputs(*args, **kwargs)
         gen = self.engine.generate(prompt_ids, engine_request.sampling_params, request_id,
                                    engine_request=engine_request, prompt_text=text, priority=request.priority,
                                    timeout=self.timeout_for(request), reservation=self.reservation())

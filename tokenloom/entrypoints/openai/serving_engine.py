@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+
+from PIL import Image
 
 from tokenloom.core.errors import RequestValidationError
 from tokenloom.core.lora_request import LoRARequest
@@ -143,13 +146,14 @@ class OpenAIServing:
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int, cache_salt: str | None, prompt_param: str = "prompt",
-                       data_parallel_rank: int | None = None, model: str | None = None) -> EngineCoreRequest:
+                       data_parallel_rank: int | None = None, model: str | None = None,
+                       images: Sequence[Image.Image] = ()) -> EngineCoreRequest:
         """Tokenize and validate one prompt; input errors become 400 naming the field. `model`: the request's
         model field, which may name a LoRA adapter."""
         try:
             req = self.engine.process_inputs(request_id, prompt, params, priority=priority,
                                              arrival_time=time.time(), cache_salt=cache_salt,
-                                             data_parallel_rank=data_parallel_rank)
+                                             data_parallel_rank=data_parallel_rank, images=images)
             req.lora_request = self.lora_for(model)
             return req
         except RequestValidationError as e:

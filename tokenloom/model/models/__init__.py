@@ -1,1 +1,11 @@
-from tokenloom.model.models import bert, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: F401  (each registers itself)
+from tokenloom.model.models import (  # noqa: F401  (each registers itself)
+    bert,
+    gemma3,
+    llama,
+    llava,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)

@@ -119,8 +119,10 @@ class DecoderModel(InferenceModule):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the rows to start from instead of the ids' embeddings (a prompt with images)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -9,6 +9,7 @@ chat templates know ``system``). ``instructions`` is a system message in front.
 from __future__ import annotations
 
 from tokenloom.core.json_types import JsonObject, JsonValue
+from tokenloom.entrypoints.openai.errors import BadRequestError
 from tokenloom.entrypoints.openai.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -24,6 +25,25 @@ def _text(content: str | PartList, param: str) -> str:
     if isinstance(content, str):
         return content
     return "".join(part_text(part, f"{param}[{j}]") for j, part in enumerate(content))
+
+
+def _user_content(content: str | PartList, param: str) -> str | list[JsonValue]:
+    """A message's content for the chat request: its text, or, when it carries images (`input_image`), chat
+    content parts with `image_url` parts in their places."""
+    if isinstance(content, str) or not any(part.get("type") == "input_image" for part in content):
+        return _text(content, param)
+    parts: list[JsonValue] = []
+    for j, part in enumerate(content):
+        if part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise BadRequestError(f"{param}[{j}].image_url: an input_image part needs an image_url (a data: "
+                                      f"URL, or http(s):// where the server allows it); file_id is not supported",
+                                      param=f"{param}[{j}].image_url", code="invalid_value")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": part_text(part, f"{param}[{j}]")})
+    return parts
 
 
 def _reasoning_text(item: ReasoningItem, param: str) -> str:
@@ -67,5 +87,5 @@ def items_to_messages(items: list[InputItem], instructions: str | None = None,
         else:
             turn = None
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _text(item.content, f"{param}.content")})
+            messages.append({"role": role, "content": _user_content(item.content, f"{param}.content")})
     return messages

@@ -1,0 +1,50 @@
+"""The scheduler's encoder cache account: room, holds, least-recently-used eviction and the per-step budget."""
+from __future__ import annotations
+
+from tokenloom.core.multimodal import ImageInput
+from tokenloom.scheduler.encoder_cache import EncoderCacheManager
+
+
+def _image(h: str, offset: int, length: int = 16) -> ImageInput:
+    return ImageInput(content_hash=h, pixel_values=b"", shape=[3, 28, 28], offset=offset, length=length)
+
+
+def test_a_chunk_stops_before_an_image_the_cache_has_no_room_for():
+    cache = EncoderCacheManager(capacity=16, step_budget=64)
+    assert cache.fit_chunk("a", [_image("x", 2)], 0, 20) == 20
+    assert cache.fit_chunk("b", [_image("y", 5)], 0, 20) == 5  # x is still held by a
+
+
+def test_a_cached_image_costs_no_room_for_another_request():
+    cache = EncoderCacheManager(capacity=16, step_budget=64)
+    cache.fit_chunk("a", [_image("x", 2)], 0, 20)
+    cache.begin_step()
+    assert cache.fit_chunk("b", [_image("x", 7)], 0, 30) == 30
+
+
+def test_an_image_nobody_holds_is_evicted_for_a_new_one_and_the_workers_are_told():
+    cache = EncoderCacheManager(capacity=16, step_budget=64)
+    image = _image("x", 2)
+    cache.fit_chunk("a", [image], 0, 20)
+    cache.release_past("a", [image], 20)
+    cache.begin_step()
+    assert cache.fit_chunk("b", [_image("y", 0)], 0, 16) == 16
+    assert cache.take_frees() == ["x"]
+    assert cache.take_frees() == []
+
+
+def test_an_image_is_held_until_its_placeholders_are_computed():
+    cache = EncoderCacheManager(capacity=16, step_budget=64)
+    image = _image("x", 2)
+    cache.fit_chunk("a", [image], 0, 10)
+    cache.release_past("a", [image], 10)  # 8 of its 16 rows still to come
+    cache.begin_step()
+    assert cache.fit_chunk("b", [_image("y", 0)], 0, 16) == 0
+
+
+def test_one_step_encodes_no_more_than_its_budget_beyond_the_first_image():
+    cache = EncoderCacheManager(capacity=100, step_budget=20)
+    assert cache.fit_chunk("a", [_image("x", 0)], 0, 16) == 16
+    assert cache.fit_chunk("b", [_image("y", 3)], 0, 19) == 3
+    cache.begin_step()
+    assert cache.fit_chunk("b", [_image("y", 3)], 3, 16) == 16

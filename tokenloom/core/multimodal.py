@@ -1,0 +1,28 @@
+"""An image as it crosses the engine boundary: preprocessed pixels, their content hash, and where in the
+prompt its placeholder tokens sit.
+
+The frontend decodes and preprocesses (tokenloom.multimodal, numpy only), so the engine receives exactly
+what the vision tower consumes; the hash keys the encoder cache and enters the prefix cache's block hashes.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
+    """One image of a prompt. Its placeholder tokens are prompt positions offset .. offset + length - 1; the
+    model replaces their embeddings with the image's `length` encoder rows."""
+
+    content_hash: str  # sha256 hex of the preprocessed pixels and their shape
+    pixel_values: bytes  # float32, C-contiguous, `shape`
+    shape: list[int]  # [channels, height, width]
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of its placeholder positions lies in [start, end)."""
+        return self.offset < end and start < self.end

@@ -1,0 +1,89 @@
+"""A multimodal model's frontend half: how its prompts take images.
+
+`ImageProcessor.for_model` reads the model folder's config.json and preprocessor_config.json (None for a
+model that reads no images); `prepare` turns a tokenized prompt and its decoded images into the prompt with
+each placeholder expanded and one `ImageInput` per image, ready for the engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from PIL import Image
+
+from tokenloom.config import ConfigError, MultiModalConfig
+from tokenloom.core.json_types import JsonObject
+from tokenloom.core.multimodal import ImageInput
+from tokenloom.multimodal.clip_preprocess import CLIPPreprocessConfig, clip_preprocess
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.image_decode import ImageLimits, decode_image, rgb
+from tokenloom.multimodal.image_hash import image_content_hash
+from tokenloom.multimodal.llava_config import LLAVA_ARCHITECTURES, LlavaConfig
+from tokenloom.multimodal.placeholders import expand_placeholders
+
+
+class ImageProcessor:
+    def __init__(self, llava: LlavaConfig, preprocess: CLIPPreprocessConfig, config: MultiModalConfig):
+        self.llava = llava
+        self.preprocess = preprocess
+        self.config = config
+        self.limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+
+    @classmethod
+    def for_model(cls, path: str | None, config: MultiModalConfig) -> "ImageProcessor | None":
+        """The processor of the model at `path`, or None when it reads no images (a text model, a GGUF)."""
+        if path is None or not os.path.isdir(path):
+            return None
+        model_config = _read_json(os.path.join(path, "config.json"))
+        if (model_config.get("architectures") or [None])[0] not in LLAVA_ARCHITECTURES:
+            return None
+        preprocessor = os.path.join(path, "preprocessor_config.json")
+        if not os.path.isfile(preprocessor):
+            raise ConfigError(f"{path}: a LLaVA model folder needs its preprocessor_config.json")
+        return cls(LlavaConfig.from_hf(model_config), CLIPPreprocessConfig.from_json(_read_json(preprocessor)),
+                   config)
+
+    @property
+    def placeholder_token_id(self) -> int:
+        return self.llava.image_token_index
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.llava.num_image_tokens
+
+    def decode(self, data: bytes) -> Image.Image:
+        """An image sent as bytes, decoded within the configured limits (a blocking call: run it off the
+        event loop)."""
+        return decode_image(data, self.limits)
+
+    def check_count(self, num_images: int) -> None:
+        limit = self.config.max_images
+        if num_images > limit:
+            raise ImageInputError(f"the prompt has {num_images} images; at most {limit} are allowed per prompt "
+                                  f"(--limit-mm-per-prompt)")
+
+    def prepare(self, token_ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its placeholders expanded, and its images preprocessed (a blocking call)."""
+        self.check_count(len(images))
+        for image in images:
+            if image.width * image.height > self.limits.max_pixels:
+                raise ImageInputError(f"the image is {image.width}x{image.height} pixels; the limit is "
+                                      f"{self.limits.max_pixels} pixels")
+        ids, offsets = expand_placeholders(token_ids, self.placeholder_token_id, len(images), self.tokens_per_image)
+        inputs = []
+        for image, offset in zip(images, offsets):
+            pixels = clip_preprocess(rgb(image), self.preprocess)
+            inputs.append(ImageInput(content_hash=image_content_hash(pixels), pixel_values=pixels.tobytes(),
+                                     shape=list(pixels.shape), offset=offset, length=self.tokens_per_image))
+        return ids, inputs
+
+
+def _read_json(path: str) -> JsonObject:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
