@@ -14,10 +14,12 @@ import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 from server_harness import ServerProcess, metric_values
 
 API_KEY = "ui-test-key"
@@ -70,15 +72,38 @@ def _open(browser, server, enter_key: bool = True):
     return context, page
 
 
-@pytest.fixture
-def page(browser, server, request):
+@contextmanager
+def _page_on(browser, server, name: str):
     context, page = _open(browser, server)
     try:
         yield page
     finally:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
         context.close()
+
+
+@pytest.fixture
+def page(browser, server, request):
+    with _page_on(browser, server, request.node.name) as page:
+        yield page
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava):
+    """A tiny random LLaVA (tests/helpers.py) behind the same key: a model that reads images."""
+    srv = ServerProcess("--api-key", API_KEY, model=tiny_llava[0],
+                        base_args=["--max-model-len", "256", "--num-blocks", "64", "--log-level", "warning"])
+    try:
+        yield srv
+    finally:
+        assert srv.terminate() == 0, srv.log_text()
+
+
+@pytest.fixture
+def llava_page(browser, llava_server, request):
+    with _page_on(browser, llava_server, request.node.name) as page:
+        yield page
 
 
 def text(page, selector: str) -> str:
@@ -268,3 +293,24 @@ def test_a_text_only_model_offers_no_image_button(page):
     page.click("#tab-chat")
     assert page.locator("#chat-send").is_visible()
     assert not page.locator("#chat-attach").is_visible()
+
+
+@pytest.mark.ui
+def test_an_image_picked_for_a_vision_model_goes_with_the_message_and_shows_in_the_conversation(llava_page, tmp_path):
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 20, 20)).save(picture)
+    page = llava_page
+    page.click("#tab-chat")
+    page.locator("#chat-attach").wait_for(state="visible", timeout=15_000)
+    page.set_input_files("#chat-image", str(picture))
+    page.locator("#chat-attachments img").wait_for(timeout=5_000)
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        chat(page, "What colour is this?", max_tokens=4)
+    parts = sent.value.post_data_json["messages"][-1]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url"], parts
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    wait_chat_done(page)
+    assert page.locator("#chat-log .msg.user .images img").count() == 1
+    assert page.locator("#chat-attachments img").count() == 0
+    assert page.locator("#chat-log .msg.assistant.error").count() == 0, text(page, "#chat-log .msg.assistant")
+    assert re.search(r"\d+ prompt \+ \d+ completion tokens", text(page, "#chat-log .msg.assistant .meta"))

@@ -120,6 +120,11 @@ class AsyncLLM:
         return self.restarts.num_restarts
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the served model reads images (a vision-language model, docs/multimodal.md)."""
+        return self.input_processor is not None and self.input_processor.image_processor is not None
+
+    @property
     def data_parallel_size(self) -> int:
         return int(self.config.parallel.data_parallel_size or 1)
 

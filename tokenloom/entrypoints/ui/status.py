@@ -146,7 +146,7 @@ class StatusTracker:
             "max_num_seqs": e.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
             "tensor_parallel_size": info.tensor_parallel_size if info else 1,
-            "image_input": False,
+            "image_input": e.takes_images,
             "version": tokenloom.__version__,
             "started": self.started,
         }

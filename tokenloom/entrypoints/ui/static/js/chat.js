@@ -94,8 +94,9 @@
       user.appendChild(shown);
     }
     $("chat-log").appendChild(user);
-    const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
-    history.push({ role: "user", content: parts.length ? (text.trim() ? [{ type: "text", text }] : []).concat(parts) : text });
+    const imageParts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+    const textParts = text.trim() ? [{ type: "text", text }] : [];
+    history.push({ role: "user", content: imageParts.length ? textParts.concat(imageParts) : text });
     images = [];
     showAttachments();
     const system = $("chat-system").value.trim();
