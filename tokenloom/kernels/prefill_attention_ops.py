@@ -25,7 +25,7 @@ def paged_attention_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, b
                                       window: int, out: torch.Tensor) -> None:
     """Each chunk alone, as the backend did before the kernel: its blocks gathered, an explicit boolean mask,
     one SDPA call in float32."""
-    heads, dim = q.shape[1], q.shape[2]
+    heads = q.shape[1]
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     for c in range(context_lens.shape[0]):
         start, end, ctx = int(query_starts[c]), int(query_starts[c + 1]), int(context_lens[c])
