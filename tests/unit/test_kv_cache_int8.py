@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy_params, make_request, random_prompts
+from helpers import generate_tokens, greedy_params, make_request, random_prompts
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.kernels.attention_ops import paged_attention_decode_reference, write_kv_cache_reference
@@ -144,3 +144,14 @@ def test_a_pd_pull_copies_int8_blocks_with_their_scales():
         server.close()
     for got, sent in zip(mine, source):
         assert torch.equal(dequantize_rows(got[:, [5, 0, 9]]), dequantize_rows(sent[:, [1, 2, 7]]))
+
+
+def test_a_draft_model_with_its_own_int8_cache_keeps_the_greedy_output(make_core, tiny_models):
+    draft = {"method": "draft_model", "model": tiny_models("llama")[0], "num_speculative_tokens": 4}
+    prompts = random_prompts(3, [5, 20, 33], vocab=512, seed=3)
+    off = make_core(kv_cache_dtype="int8")
+    on = make_core(kv_cache_dtype="int8", speculative_config=draft)
+    assert on.executor.worker.runner.drafter.kv_caches[0].dtype == torch.int8
+    params = greedy_params(16)
+    assert generate_tokens(on, prompts, params) == generate_tokens(off, prompts, params)
+    assert on.stats()["spec_num_accepted_tokens"] > 0
