@@ -1,6 +1,8 @@
 """The 8-bit KV cache (`--kv-cache-dtype int8`, alias fp8): the row format, the native write, decode and
-prefill kernels against their torch references on the same bytes, and an engine on it: its capacity, both
-attention backends, and the paths that move blocks (prefix cache, offload tier, P/D pull) carrying scales."""
+prefill kernels against their torch references on the same bytes, and an engine on it: its capacity, the
+paths that move blocks (prefix cache, offload tier, P/D pull) carrying the scales, and a draft model's
+cache. Native against torch backend on it: test_kernels_layers.py; accuracy on the embedded model:
+tests/e2e/test_kv_cache_int8_embedded.py."""
 from __future__ import annotations
 
 import pytest
