@@ -33,7 +33,8 @@ KERNEL_SENSITIVE ?= $(wildcard tests/unit/test_kernels_*.py) tests/unit/test_ggu
 	tests/unit/test_tensor_parallel.py tests/unit/test_reference_tiny.py tests/unit/test_sliding_window.py \
 	tests/unit/test_gemma3.py tests/unit/test_moe.py tests/unit/test_spec_decode.py \
 	tests/unit/test_spec_decode_draft_model.py tests/e2e/test_reference_embedded.py \
-	tests/unit/test_qwen2_5_vl_vision.py tests/unit/test_mrope.py
+	tests/unit/test_qwen2_5_vl_vision.py tests/unit/test_mrope.py \
+	tests/unit/test_kv_cache_int8.py tests/e2e/test_kv_cache_int8_embedded.py
 test-fallback: setup-test
 	TOKENLOOM_KERNELS=off .venv/bin/python -m pytest -q -rs $(KERNEL_SENSITIVE) $(ARGS)
 

@@ -58,6 +58,10 @@ def normalize_dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
 
 
+# vLLM's names for its 8-bit KV cache; tokenloom's is int8 with a scale per token and head (kv_int8.py).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "int8", "fp8_e4m3": "int8"}
+
+
 def _check_dtype(name: str, value: str) -> None:
     _check(value in ("auto", "float32", "bfloat16", "float16"),
            f"{name} must be one of auto, float32, bfloat16, float16 (or half, float, fp16, bf16, fp32; "
@@ -114,11 +118,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA
     num_blocks: int | None = None  # overrides the memory budget
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | bfloat16 | float16 | int8 (fp8, fp8_e4m3)
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = normalize_dtype(self.kv_cache_dtype)
-        _check_dtype("kv_cache_dtype", self.kv_cache_dtype)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _check(self.kv_cache_dtype != "fp8_e5m2",
+               "kv_cache_dtype fp8_e5m2 is not supported: fp8 (= fp8_e4m3 = int8) stores 8-bit values with a "
+               "scale per token and head")
+        if self.kv_cache_dtype != "int8":
+            _check_dtype("kv_cache_dtype", self.kv_cache_dtype)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                f"block_size must be a power of two in 1..256 (got {self.block_size})")
         _check(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB (got {self.kv_cache_memory})")
@@ -730,8 +739,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("block_size", int, "tokens per KV block (default 16)")
     opt("kv_cache_memory", float, "GiB of KV cache on CPU (default 2)")
     opt("gpu_memory_utilization", float, "share of GPU memory for weights, activations and KV cache (default 0.9)")
-    opt("kv_cache_dtype", str, "dtype of the stored keys and values: auto (= --dtype)|float32|bfloat16|float16; "
-        "bfloat16 halves the bytes decode attention reads")
+    opt("kv_cache_dtype", str, "dtype of the stored keys and values: auto (= --dtype)|float32|bfloat16|float16|"
+        "int8 (also fp8, fp8_e4m3); bfloat16 halves the bytes decode attention reads, int8 (8-bit values and a "
+        "scale per token and head) holds 1.9x bfloat16's tokens")
     opt("num_blocks", int, "number of KV blocks (overrides the memory budget)")
     opt("max_num_seqs", int, "most requests running at once (default 64)")
     opt("max_num_batched_tokens", int, "token budget of one engine step (default 512)")

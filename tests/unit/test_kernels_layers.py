@@ -80,7 +80,7 @@ def test_the_ops_fake_implementations_agree_with_the_kernels():
                           test_utils=OPCHECK)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8"])
 def test_a_tiny_model_decodes_the_same_tokens_on_the_native_and_torch_backends(make_core, kv_cache_dtype):
     prompts = helpers.random_prompts(5, [3, 17, 40, 1, 70], vocab=200, seed=9)
     tokens = {}

@@ -11,6 +11,7 @@ import torch
 
 from tokenloom import kernels
 from tokenloom.kernels import layer_ops
+from tokenloom.kernels.kv_int8 import to_cache
 from tokenloom.model.layers.attention_backend import ScheduledSpan, TorchAttentionBackend
 from tokenloom.model.layers.attention_native import NativeAttention, NativeAttentionBackend
 
@@ -50,7 +51,7 @@ def _layer_ops(rows: int, repeats: int):
 def _attention(batch: int, context: int, kv_dtype: torch.dtype, repeats: int):
     """One layer's attention step for `batch` decodes at `context` tokens: native backend vs torch backend."""
     width = (context + BLOCK - 1) // BLOCK
-    cache = torch.randn(2, batch * width + 1, BLOCK, KV_HEADS, HEAD_DIM).to(kv_dtype)
+    cache = to_cache(torch.randn(2, batch * width + 1, BLOCK, KV_HEADS, HEAD_DIM), kv_dtype)
     perm = torch.randperm(batch * width).view(batch, width) + 1
     spans = [ScheduledSpan(i, context - 1, 1, perm[i].tolist()) for i in range(batch)]
     slots = torch.tensor([s.block_ids[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for s in spans])
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (1, 32):
         for name, (native, ref) in _layer_ops(rows, ns.repeats):
             print(f"{name:<22} rows {rows:>3}: {native:8.1f} vs {ref:8.1f}  ({ref / native:4.1f}x)")
-    for batch, context, dtype in ((1, 256, torch.float32), (1, 2048, torch.float32), (32, 256, torch.float32),
-                                  (32, 256, torch.bfloat16)):
+    for batch, context, dtype in ((1, 256, torch.float32), (1, 2048, torch.float32), (1, 2048, torch.bfloat16),
+                                  (1, 2048, torch.int8), (32, 256, torch.float32), (32, 256, torch.bfloat16),
+                                  (32, 256, torch.int8), (32, 2048, torch.bfloat16), (32, 2048, torch.int8)):
         native, ref = _attention(batch, context, dtype, max(ns.repeats // 4, 10))
         print(f"decode attention batch {batch:>2} context {context:>4} {str(dtype)[6:]:<8}: {native:8.1f} vs "
               f"{ref:8.1f}  ({ref / native:4.1f}x)")

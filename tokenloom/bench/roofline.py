@@ -27,6 +27,7 @@ from gguf import GGUFReader
 from tokenloom.bench.decode_step import decode_step_ms
 from tokenloom.config import EngineConfig, add_engine_args
 from tokenloom.engine.core import EngineCore
+from tokenloom.kernels.kv_int8 import SCALE_BYTES
 from tokenloom.model.loader import panel_cache
 from tokenloom.model.model_path import resolve_model_path
 
@@ -113,7 +114,8 @@ def gguf_weight_bytes(path: str) -> int:
 
 def kv_bytes(mapped: panel_cache.MappedPanels, context: int, dtype: str) -> int:
     arch = mapped.arch_config
-    return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * context * _DTYPE_BYTES.get(dtype, 4)
+    row = arch.head_dim * _DTYPE_BYTES.get(dtype, 4) + (SCALE_BYTES if dtype == "int8" else 0)
+    return arch.num_layers * 2 * arch.num_kv_heads * row * context
 
 
 def add_roofline_args(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,8 @@
   position p see only positions p-window+1..p. Writes those rows of out [T, heads * head_dim]; other rows
   are left as they were (decodes, attended by paged_attention_decode).
 
-kv_cache: [2, num_blocks, block_size, kv_heads, head_dim] (K, V), float32 or bfloat16; q and out float32;
+kv_cache: [2, num_blocks, block_size, kv_heads, head_dim] (K, V), float32 or bfloat16, or int8 rows of
+head_dim + 4 bytes (values and scale, kv_int8.py); q and out float32;
 block_tables, query_starts and context_lens int32. Query head h reads KV head h // (heads // kv_heads).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom import kernels
+from tokenloom.kernels.kv_int8 import read_rows
 
 
 def paged_attention_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -23,14 +25,14 @@ def paged_attention_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, b
                                       window: int, out: torch.Tensor) -> None:
     """Each chunk alone, as the backend did before the kernel: its blocks gathered, an explicit boolean mask,
     one SDPA call in float32."""
-    heads, dim = q.shape[1], q.shape[2]
+    heads = q.shape[1]
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     for c in range(context_lens.shape[0]):
         start, end, ctx = int(query_starts[c]), int(query_starts[c + 1]), int(context_lens[c])
         n = end - start
         blocks = block_tables[c, : (ctx + block_size - 1) // block_size].long()
-        keys = kv_cache[0][blocks].reshape(-1, kv_heads, dim)[:ctx].float()
-        values = kv_cache[1][blocks].reshape(-1, kv_heads, dim)[:ctx].float()
+        keys = read_rows(kv_cache[0][blocks].reshape(-1, kv_heads, kv_cache.shape[4])[:ctx], torch.float32)
+        values = read_rows(kv_cache[1][blocks].reshape(-1, kv_heads, kv_cache.shape[4])[:ctx], torch.float32)
         rows = torch.arange(n).unsqueeze(1) + (ctx - n)
         cols = torch.arange(ctx).unsqueeze(0)
         mask = cols <= rows

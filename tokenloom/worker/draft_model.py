@@ -34,6 +34,7 @@ import torch
 
 from tokenloom.config import ConfigError
 from tokenloom.core.contract import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenloom.kernels.kv_int8 import row_width
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.sampler import Sampler, SamplingRow
@@ -206,7 +207,7 @@ def build_drafter(draft: torch.nn.Module, arch: ArchConfig, num_blocks: int, blo
                   max_model_len: int) -> DraftModelProposer:
     """The draft's KV cache (one block per target block, see the module docstring) and its proposer;
     `attention`: an unbound instance of the engine's backend (the target's is bound to the target's caches)."""
-    shape = attention.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    shape = attention.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, row_width(arch.head_dim, kv_dtype))
     kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
     attention.bind(kv_caches[0])
     return DraftModelProposer(draft, kv_caches, block_size, device, attention, num_tokens,

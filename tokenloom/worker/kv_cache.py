@@ -11,6 +11,7 @@ import torch
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.distributed.parallel_state import all_reduce_min, tp_group
+from tokenloom.kernels.kv_int8 import row_width
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.attention_backend import AttentionBackend
 
@@ -31,7 +32,9 @@ def kv_heads_per_rank(arch: ArchConfig, tp_size: int) -> int:
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * dtype.itemsize
+    """Bytes of one block over all layers; an int8 row carries its scale (kv_int8.py)."""
+    row = row_width(arch.head_dim, dtype) * dtype.itemsize
+    return 2 * arch.num_layers * block_size * kv_heads_per_rank(arch, tp_size) * row
 
 
 def count_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, budget_bytes: int | None,
@@ -75,7 +78,7 @@ def size_kv_cache(config: EngineConfig, arch: ArchConfig, attention: AttentionBa
     num_blocks = all_reduce_min(count_blocks(config, arch, kv_dtype, budget_bytes, draft))
     block_size = config.cache.block_size
     shape = attention.kv_cache_shape(num_blocks + scratch_block, block_size, kv_heads_per_rank(arch, tp_group().size),
-                                     arch.head_dim)
+                                     row_width(arch.head_dim, kv_dtype))
     if encoder:
         caches = [torch.zeros((), dtype=kv_dtype, device=device).expand(shape) for _ in range(arch.num_layers)]
     else:

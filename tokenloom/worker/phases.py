@@ -46,7 +46,7 @@ logger = logging.getLogger("tokenloom.engine")
 
 WORKER_PHASES = ("init_device", "load_model", "measure_memory", "allocate_kv_cache", "build_runner", "warm_up")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 # ---- 1. device ---------------------------------------------------------------------------------------------

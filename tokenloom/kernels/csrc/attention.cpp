@@ -2,7 +2,8 @@
 // table: no gather into a contiguous buffer, no padding mask. And the KV cache write of a step.
 //
 // Layout (tokenloom/model/layers/attention_native.py): kv_cache [2, num_blocks, block_size, kv_heads,
-// head_dim], float32 or bfloat16; block_tables int32 [B, max_blocks]; context_lens int32 [B] (tokens
+// head_dim], float32 or bfloat16, or int8 rows of head_dim values and a float32 scale (head_dim + 4 bytes,
+// tokenloom/kernels/kv_int8.py; a row's scale multiplies its dot products and its softmax weights); block_tables int32 [B, max_blocks]; context_lens int32 [B] (tokens
 // in the cache, the new one included). Query head h reads KV head h / (heads / kv_heads) (GQA).
 //
 // Work split: each sequence's attended span [left, context_len) is cut into partitions of PARTITION
@@ -41,9 +42,25 @@ template <>
 inline vf load_kv<float>(const float* p) { return vload(p); }
 template <>
 inline vf load_kv<at::BFloat16>(const at::BFloat16* p) { return vload_bf16(reinterpret_cast<const uint16_t*>(p)); }
+template <>
+inline vf load_kv<int8_t>(const int8_t* p) { return vload_i8(p); }
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+// The factor a row's values carry: its scale in the 8-bit cache, none (1) in a float cache.
+template <typename T>
+inline float row_scale(const T* row, int64_t dim) {
+  if constexpr (std::is_same_v<T, int8_t>) return int8_row_scale(row, dim);
+  return 1.0f;
+}
+
+// Elements of a cached row: head_dim, and the scale's bytes in the 8-bit cache.
+template <typename T>
+constexpr int64_t row_elements(int64_t dim) {
+  return std::is_same_v<T, int8_t> ? dim + KV_SCALE_BYTES : dim;
+}
 
 // Keys per segment: a task walks its partition 16 tokens at a time (a block of the cache when the span
 // starts on a block edge), every KV head of the task per segment, so it reads each block front to back.
@@ -68,12 +85,14 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   for (; d + VL <= dim; d += VL) acc = vfma(vload(q + d), load_kv<T>(k + d), acc);
   float s = vsum(acc);
   for (; d < dim; ++d) s += q[d] * to_float(k[d]);
+  if constexpr (std::is_same_v<T, int8_t>) s *= row_scale(k, dim);
   return s;
 }
 
 // acc += w * v over head_dim.
 template <typename T>
 inline void axpy(float* acc, float w, const T* v, int64_t dim) {
+  if constexpr (std::is_same_v<T, int8_t>) w *= row_scale(v, dim);
   int64_t d = 0;
   vf wv = vset1(w);
   for (; d + VL <= dim; d += VL) vstore(acc + d, vfma(wv, load_kv<T>(v + d), vload(acc + d)));
@@ -139,8 +158,9 @@ inline void score_keys(const float* q, const float* const* rows, int64_t n, floa
 }
 
 // scores[g * PARTITION + i] for the G query heads of one KV head over a segment's keys (rows[i] + off).
-// Each key row is read from the cache once: a bfloat16 row is widened into `stage` (float32, exact), and
-// the G heads then score the segment from L1, each with the same instructions as a head alone.
+// Each key row is read from the cache once: a bfloat16 row is widened into `stage` (float32, exact), an int8
+// row widened and multiplied by its scale, and the G heads then score the segment from L1, each with the same
+// instructions as a head alone.
 template <typename T, int NV>
 inline void score_segment(const float* q, int64_t q_stride, int64_t G, const T* const* rows, int64_t off, int64_t n,
                           float scale, float* stage, float* scores) {
@@ -148,6 +168,11 @@ inline void score_segment(const float* q, int64_t q_stride, int64_t G, const T* 
   for (int64_t i = 0; i < n; ++i) {
     if constexpr (std::is_same_v<T, float>) {
       keys[i] = rows[i] + off;
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      float* dst = stage + i * NV * VL;
+      const vf sv = vset1(row_scale(rows[i] + off, NV * VL));
+      for (int d = 0; d < NV; ++d) vstore(dst + d * VL, vmul(load_kv<T>(rows[i] + off + d * VL), sv));
+      keys[i] = dst;
     } else {
       float* dst = stage + i * NV * VL;
       for (int d = 0; d < NV; ++d) vstore(dst + d * VL, load_kv<T>(rows[i] + off + d * VL));
@@ -158,7 +183,8 @@ inline void score_segment(const float* q, int64_t q_stride, int64_t G, const T* 
 }
 
 // out[g * D ...] += sum_i w[g * PARTITION + i] * v_i for the GC query heads (values at rows[i] + off),
-// accumulated in token order: segment after segment, the same sums as one pass over the partition.
+// accumulated in token order: segment after segment, the same sums as one pass over the partition. An int8
+// row's scale multiplies its weight, so the row itself is only widened.
 template <typename T, int NV, int GC>
 inline void weigh_values(const float* w, const T* const* rows, int64_t off, int64_t n, float* out) {
   vf acc[GC][NV];
@@ -167,8 +193,9 @@ inline void weigh_values(const float* w, const T* const* rows, int64_t off, int6
   for (int64_t i = 0; i < n; ++i) {
     vf v[NV];
     for (int d = 0; d < NV; ++d) v[d] = load_kv<T>(rows[i] + off + d * VL);
+    const float rs = row_scale(rows[i] + off, NV * VL);
     for (int g = 0; g < GC; ++g) {
-      const vf wv = vset1(w[g * PARTITION + i]);
+      const vf wv = vset1(std::is_same_v<T, int8_t> ? w[g * PARTITION + i] * rs : w[g * PARTITION + i]);
       for (int d = 0; d < NV; ++d) acc[g][d] = vfma(wv, v[d], acc[g][d]);
     }
   }
@@ -309,8 +336,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const int32_
         for (int64_t h = 0; h < heads; ++h) {
           // The next segment's keys and this segment's values start coming from memory while these keys are scored.
           for (int64_t i = i0 + SEGMENT; i < std::min(n, i0 + 2 * SEGMENT); ++i)
-            prefetch_row_to_l2(krows[i] + h * head_stride, D);
-          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row_to_l2(vrows[i] + h * head_stride, D);
+            prefetch_row_to_l2(krows[i] + h * head_stride, row_elements<T>(D));
+          for (int64_t i = i0; i < i0 + m; ++i) prefetch_row_to_l2(vrows[i] + h * head_stride, row_elements<T>(D));
           const float* qh = q_task + h * G * q_head_stride;
           float* sh = scores.data() + h * G * PARTITION + i0;
           const bool blocked = with_vectors_per_head(D, [&](auto nv) {
@@ -398,7 +425,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& kv_cach
               "paged_attention_decode: q must be float32 [batch, heads, head_dim] with a contiguous last dim");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_attention_decode: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) + (int8_cache ? KV_SCALE_BYTES : 0) && q.size(1) % kv_cache.size(3) == 0,
               "paged_attention_decode: head_dim or head counts of q and kv_cache disagree");
   TORCH_CHECK(q.size(1) / kv_cache.size(3) * q.size(2) <= MAX_GROUP_DIM, "paged_attention_decode: group too large");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -415,28 +443,34 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& kv_cach
   if (q.size(0) == 0) return out;
   if (kv_cache.scalar_type() == at::kFloat) {
     decode_kernel<float>(q, kv_cache, tables.data_ptr<int32_t>(), tables.size(1), lp, scale, window, out);
+  } else if (int8_cache) {
+    decode_kernel<int8_t>(q, kv_cache, tables.data_ptr<int32_t>(), tables.size(1), lp, scale, window, out);
   } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "paged_attention_decode: kv_cache must be float32 or bfloat16");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16,
+                "paged_attention_decode: kv_cache must be float32, bfloat16 or int8");
     decode_kernel<at::BFloat16>(q, kv_cache, tables.data_ptr<int32_t>(), tables.size(1), lp, scale, window, out);
   }
   return out;
 }
 
 // kv_cache[0] and [1] at flat token slot slot_mapping[t] <- key[t], value[t] (converted to the cache dtype,
-// rounding to nearest even for bfloat16). key, value: [T, kv_heads, head_dim], rows may be strided
+// rounding to nearest even for bfloat16; quantized per row with its scale for int8). key, value: [T, kv_heads, head_dim], rows may be strided
 // (views into the fused QKV output).
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "write_kv_cache: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "write_kv_cache: float32 key/value");
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4) &&
-                  value.sizes() == key.sizes(),
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 || int8_cache,
+              "write_kv_cache: kv_cache must be float32, bfloat16 or int8");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == kv_cache.size(3) &&
+                  key.size(2) + (int8_cache ? KV_SCALE_BYTES : 0) == kv_cache.size(4) && value.sizes() == key.sizes(),
               "write_kv_cache: key/value must be [tokens, kv_heads, head_dim] matching the cache");
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
               "write_kv_cache: each token's heads must be contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == key.size(0), "write_kv_cache: one slot per token");
-  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2), D = key.size(2);
   const int64_t capacity = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
@@ -448,7 +482,13 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
     for (int64_t t = begin; t < end; ++t) {
       const float* ks = kp + t * key.stride(0);
       const float* vs = vp + t * value.stride(0);
-      if (kv_cache.scalar_type() == at::kFloat) {
+      if (int8_cache) {
+        int8_t* base = kv_cache.data_ptr<int8_t>() + sp[t] * kv_cache.stride(2);
+        for (int64_t h = 0; h < key.size(1); ++h) {
+          quantize_int8_row(ks + h * D, D, base + h * kv_cache.stride(3));
+          quantize_int8_row(vs + h * D, D, base + half + h * kv_cache.stride(3));
+        }
+      } else if (kv_cache.scalar_type() == at::kFloat) {
         float* base = kv_cache.data_ptr<float>() + sp[t] * row;
         std::copy(ks, ks + row, base);
         std::copy(vs, vs + row, base + half);

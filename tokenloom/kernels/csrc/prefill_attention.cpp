@@ -4,7 +4,8 @@
 // chunks.
 //
 // Layout (tokenloom/model/layers/attention_native.py): kv_cache [2, num_blocks, block_size, kv_heads,
-// head_dim], float32 or bfloat16; block_tables int32 [chunks, max_blocks]; query_starts int32 [chunks + 1]
+// head_dim], float32 or bfloat16, or int8 rows of head_dim values and a float32 scale (head_dim + 4 bytes,
+// tokenloom/kernels/kv_int8.py); block_tables int32 [chunks, max_blocks]; query_starts int32 [chunks + 1]
 // (chunk c is rows [query_starts[c], query_starts[c+1]) of q and out); context_lens int32 [chunks] (tokens
 // in the cache, the chunk's own included, so the chunk's first row sits at position context_len - rows).
 // Query head h reads KV head h / (heads / kv_heads) (GQA).
@@ -150,7 +151,8 @@ struct Prefill {
   int64_t out_row_stride;
 
   // Row pointers for keys (or values) [k0, k0 + nk) of a task: straight into the cache when it is float32
-  // with whole vectors per head, else converted and padded into `pack`. Padding keys point at zeros.
+  // with whole vectors per head, else converted (int8: times the row's scale) and padded into `pack`.
+  // Padding keys point at zeros.
   void key_rows(const T* base, const int32_t* table, int64_t kv_head, int64_t k0, int64_t nk, float* pack,
                 const float* zero, const float** rows) const {
     constexpr bool direct = std::is_same<T, float>::value;
@@ -166,7 +168,12 @@ struct Prefill {
       }
       float* dst = pack + j * Dp;
       int64_t d = 0;
-      if constexpr (!direct) {
+      if constexpr (std::is_same<T, int8_t>::value) {
+        const float sc = int8_row_scale(src, D);
+        const vf sv = vset1(sc);
+        for (; d + VL <= D; d += VL) vstore(dst + d, vmul(vload_i8(src + d), sv));
+        for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
+      } else if constexpr (!direct) {
         for (; d + VL <= D; d += VL) vstore(dst + d, vload_bf16(reinterpret_cast<const uint16_t*>(src) + d));
       }
       for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
@@ -328,7 +335,8 @@ void paged_attention_prefill(const at::Tensor& q, const at::Tensor& kv_cache, co
               "paged_attention_prefill: q must be float32 [tokens, heads, head_dim] with a contiguous last dim");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_attention_prefill: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) + (int8_cache ? KV_SCALE_BYTES : 0) && q.size(1) % kv_cache.size(3) == 0,
               "paged_attention_prefill: head_dim or head counts of q and kv_cache disagree");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) * q.size(2) && out.stride(1) == 1,
@@ -359,8 +367,11 @@ void paged_attention_prefill(const at::Tensor& q, const at::Tensor& kv_cache, co
   }
   if (kv_cache.scalar_type() == at::kFloat) {
     prefill_kernel<float>(q, kv_cache, tables, starts, lens, scale, window, out);
+  } else if (int8_cache) {
+    prefill_kernel<int8_t>(q, kv_cache, tables, starts, lens, scale, window, out);
   } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "paged_attention_prefill: kv_cache must be float32 or bfloat16");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16,
+                "paged_attention_prefill: kv_cache must be float32, bfloat16 or int8");
     prefill_kernel<at::BFloat16>(q, kv_cache, tables, starts, lens, scale, window, out);
   }
 }

@@ -34,6 +34,10 @@ inline vf vload_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// VL int8 values -> float32 (exact).
+inline vf vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline vf vexp(vf x) {
   const vf lo = vset1(-87.3365447505f);
   vf xc = _mm512_max_ps(_mm512_min_ps(x, vset1(88.3762626647949f)), lo);
@@ -81,6 +85,9 @@ inline vf vload_bf16(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline vf vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline vf vexp(vf x) {
   const vf lo = vset1(-87.3365447505f);
   vf xc = _mm256_max_ps(_mm256_min_ps(x, vset1(88.3762626647949f)), lo);
@@ -114,6 +121,27 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, 4);
   bits += 0x7FFF + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+// The 8-bit KV cache (tokenloom/kernels/kv_int8.py): a row of D int8 values, then its float32 scale.
+constexpr int64_t KV_SCALE_BYTES = 4;
+
+inline float int8_row_scale(const int8_t* row, int64_t dim) {
+  float s;
+  std::memcpy(&s, row + dim, sizeof(float));
+  return s;
+}
+
+// x[0..dim) -> dim int8 values round(x / scale) and the scale amax / 127 after them, as kv_int8.quantize_rows.
+inline void quantize_int8_row(const float* x, int64_t dim, int8_t* row) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::fmax(amax, std::fabs(x[d]));
+  const float scale = amax / 127.0f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float v = scale > 0.0f ? std::nearbyint(x[d] / scale) : 0.0f;
+    row[d] = static_cast<int8_t>(std::fmin(127.0f, std::fmax(-127.0f, v)));
+  }
+  std::memcpy(row + dim, &scale, sizeof(float));
 }
 
 // Scalar exp for the tails of rows, the same formula as vexp so a row's lanes agree.

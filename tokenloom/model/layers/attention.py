@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenloom.kernels.kv_int8 import read_rows, to_cache
 from tokenloom.profiler import PROFILER
 
 
@@ -110,15 +111,16 @@ class TorchAttention:
         self.sliding_window = sliding_window
 
     def __call__(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H*D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D] (D + 4 bytes a row for
+        the 8-bit cache, kv_int8.py). Returns [T, H*D]."""
         with PROFILER.section("attention"):
             return self._attend(q, k, v, kv_cache, meta)
 
     def _attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        flat_shape = (-1, self.num_kv_heads, k_cache.shape[-1])
+        k_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, to_cache(k, k_cache.dtype))
+        v_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, to_cache(v, v_cache.dtype))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             d = meta.num_decodes
@@ -136,7 +138,8 @@ class TorchAttention:
         its own longest sequence needs. A reduced-precision KV cache is read in its own dtype (half the
         bytes); on CPU a group of over BLOCK_DIAGONAL_MIN_TOKENS gathered tokens takes the block-diagonal
         GEMMs (batch-64 decode step 260 -> 230 ms, measured interleaved) and a smaller one SDPA. With
-        float32 K/V the two tie and SDPA stays."""
+        float32 K/V the two tie and SDPA stays. The 8-bit cache is gathered as bytes and dequantized to the
+        query's dtype."""
         b = q.shape[0]
         if out is None:
             out = torch.empty(b, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
@@ -152,8 +155,13 @@ class TorchAttention:
             group_tables = tables[start:end, :width]
             keys = _gather_blocks(k_cache, group_tables, None if ws is None else ws[0, :n * width])
             values = _gather_blocks(v_cache, group_tables, None if ws is None else ws[1, :n * width])
+            if k_cache.dtype == torch.int8:
+                keys, values = (read_rows(x.view(n, -1, self.num_kv_heads, k_cache.shape[-1]), q.dtype).view(n, -1)
+                                for x in (keys, values))
             group_q = q[start:end].view(n, self.num_kv_heads, self.group, self.head_dim)
             group_mask = mask[start:end, :, :, :width * k_cache.shape[1]]
+            if group_mask.is_floating_point() and group_mask.dtype != keys.dtype:
+                group_mask = group_mask.to(keys.dtype)
             block_diagonal = (keys.dtype != torch.float32 and not q.is_cuda and group_mask.is_floating_point()
                               and n * width * k_cache.shape[1] > BLOCK_DIAGONAL_MIN_TOKENS)
             if block_diagonal:
@@ -194,6 +202,8 @@ class TorchAttention:
         offset = chunk.context_len - n  # position of the chunk's first query
         if chunk.context_len == n:
             keys, values = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+            if k_cache.dtype == torch.int8:  # attend to what the cache holds, as the native kernel does
+                keys, values = (read_rows(to_cache(x, torch.int8), q.dtype) for x in (keys, values))
             first = 0
         else:
             # A windowed layer gathers from the block holding its first query's first key on.
@@ -202,8 +212,9 @@ class TorchAttention:
             first = first_block * block_size
             blocks = chunk.block_table[first_block: (chunk.context_len + block_size - 1) // block_size]
             length = chunk.context_len - first
-            keys = _gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[:length]
-            values = _gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, self.head_dim)[:length]
+            row = k_cache.shape[-1]
+            keys = read_rows(_gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, row)[:length], q.dtype)
+            values = read_rows(_gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, row)[:length], q.dtype)
         if chunk.context_len == n and (window is None or window >= n):
             mask, causal = None, True
         else:

@@ -94,8 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta.decode_context_lens = context_lens
         meta.decode_group_blocks = [(max(lens[i:i + group]) + bs - 1) // bs for i in range(0, len(lens), group)]
         padding = torch.arange(width * bs, device=dev).unsqueeze(0) >= context_lens.unsqueeze(1)
-        # Additive, in the dtype SDPA computes in: a boolean mask is converted on every call (~10%).
-        meta.decode_mask = torch.zeros(padding.shape, dtype=cache.dtype, device=dev).masked_fill_(
+        # Additive, in the dtype SDPA computes in: a boolean mask is converted on every call (~10%). The 8-bit
+        # cache is read back as float32 (the CPU's activations).
+        mask_dtype = torch.float32 if cache.dtype == torch.int8 else cache.dtype
+        meta.decode_mask = torch.zeros(padding.shape, dtype=mask_dtype, device=dev).masked_fill_(
             padding, float("-inf")).view(len(decodes), 1, 1, width * bs)
         return meta
 

@@ -2,13 +2,13 @@
 no padding or mask tensor: `paged_attention_decode` (tokenloom/kernels/csrc/attention.cpp) for all decodes and
 `paged_attention_prefill` (csrc/prefill_attention.cpp) for all prefill chunks, one call each per layer.
 
-Same KV layout as the torch backend ([2, blocks, block_size, kv_heads, head_dim] per layer, float32 or
-bfloat16), so the block pool, block copies and prefix cache are shared unchanged. A step is one cache write
-(`write_kv_cache`, every new token, so a chunk's own K/V are in the cache before it attends), then the two
-kernels. The prefill kernel replaced one SDPA call per chunk (over the chunk's K/V, or over its gathered blocks
-with a boolean mask when it continues a sequence): 1.4-4x faster per call (one thread) from 16 to 2,000 rows,
-fresh and continued, float32 and bfloat16 caches (docs/performance.md, "Prefill attention"), so no size falls back
-to SDPA.
+Same KV layout as the torch backend ([2, blocks, block_size, kv_heads, head_dim] per layer, float32 or bfloat16, or
+the 8-bit cache's int8 rows of head_dim + 4 bytes, tokenloom/kernels/kv_int8.py), so the block pool, block copies
+and prefix cache are shared unchanged. A step is one cache write (`write_kv_cache`, every new token, so a chunk's
+own K/V are in the cache before it attends), then the two kernels. The prefill kernel replaced one SDPA call per
+chunk (over the chunk's K/V, or over its gathered blocks with a boolean mask when it continues a sequence): 1.4-4x
+faster per call (one thread) from 16 to 2,000 rows, fresh and continued, float32 and bfloat16 caches
+(docs/performance.md, "Prefill attention"), so no size falls back to SDPA.
 Chosen by default on CPU when the native kernels load (`--attention-backend auto`); `--attention-backend
 native` asks for it explicitly.
 """
