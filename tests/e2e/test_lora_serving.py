@@ -6,6 +6,7 @@ tokens identical, prompt logprobs within 3e-4.
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import helpers
@@ -87,6 +88,31 @@ def test_the_model_field_picks_the_adapter_and_models_lists_it_with_its_parent(s
     got = _complete(server, "smol-ft")["choices"][0]["text"]
     assert got == llm.tokenizer.decode(mixed[0].outputs[0].token_ids)
     assert _complete(server, server.model)["choices"][0]["text"] != got
+
+
+def _reported_models(server, path: str, body: dict) -> list[str]:
+    """The `model` of the answer, or of every streamed chunk or Responses event that carries one."""
+    r = server.post(path, json=body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return [r.json()["model"]]
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return [e["model"] if "model" in e else e["response"]["model"] for e in events
+            if "model" in e or "model" in e.get("response", {})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["completions", "chat", "responses"])
+def test_responses_to_adapter_requests_report_the_adapters_name_as_their_model(server, api, stream):
+    """As vLLM answers: the adapter's name in the body and in every chunk; the base model's own name otherwise."""
+    content = {"completions": ("/v1/completions", {"prompt": TEXTS[0], "max_tokens": 3}),
+               "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+               "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 3})}
+    path, body = content[api]
+    for model in ("smol-ft", server.model):
+        reported = _reported_models(server, path, {**body, "model": model, "stream": stream})
+        assert reported and set(reported) == {model}, (model, reported)
 
 
 def test_an_unknown_model_is_a_404_in_openais_shape(server):
