@@ -1,5 +1,6 @@
 """LoRA adapters on the embedded model (SmolLM2-135M-Instruct, quantized GGUF): offline against transformers +
-PEFT on the same dequantized weights, and served by `tokenloom serve` (names, listing, errors, run-time loads).
+PEFT on the same dequantized weights, at one rank and split over three (its 9 heads and 3 KV heads shard at
+TP=3), and served by `tokenloom serve` (names, listing, errors, run-time loads).
 
 Tolerance: as test_reference_embedded.py (both sides dequantize the same file and run float32 math): greedy
 tokens identical, prompt logprobs within 3e-4.
@@ -13,7 +14,7 @@ import helpers
 import pytest
 from server_harness import ServerProcess
 
-from tokenloom import LoRARequest, SamplingParams
+from tokenloom import LLM, LoRARequest, SamplingParams
 
 LOGPROB_TOL = 3e-4
 NEW_TOKENS = 8
@@ -45,9 +46,16 @@ def mixed(llm, prompts, adapter):
                         [None] * len(prompts))
 
 
-def test_adapter_greedy_output_and_prompt_logprobs_match_transformers_with_peft(adapter, prompts, mixed):
+@pytest.fixture(scope="module")
+def peft_greedy(adapter, prompts):
+    """transformers + PEFT's greedy tokens for each prompt."""
+    return helpers.hf_greedy_batch(adapter[1], prompts, NEW_TOKENS)
+
+
+def test_adapter_greedy_output_and_prompt_logprobs_match_transformers_with_peft(adapter, prompts, mixed,
+                                                                              peft_greedy):
     _, reference = adapter
-    want = helpers.hf_greedy_batch(reference, prompts, NEW_TOKENS)
+    want = peft_greedy
     worst = 0.0
     for prompt, out, tokens in zip(prompts, mixed, want):
         assert out.outputs[0].token_ids == tokens, helpers.describe_divergence(reference, prompt,
@@ -66,6 +74,20 @@ def test_base_requests_beside_adapter_requests_match_the_base_model_alone(llm, p
     base_in_mix = mixed[len(prompts):]
     assert [o.outputs[0].token_ids for o in base_in_mix] == [o.outputs[0].token_ids for o in alone]
     assert base_in_mix[0].outputs[0].token_ids != mixed[0].outputs[0].token_ids
+
+
+@pytest.mark.tp
+def test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft(adapter, prompts, mixed, peft_greedy):
+    """Three ranks: q, k, v, gate and up hold their rows of B, o and down their columns of A, the deltas summed
+    by the all-reduce with the partial sums; the base rows beside them keep the base model's output."""
+    lora = LoRARequest("smol-ft", 1, adapter[0])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(progress=False, tensor_parallel_size=3, dtype="float32", device="cpu", num_blocks=128,
+             log_stats_interval=0, enable_lora=True) as tp3:
+        got = tp3.generate(prompts + prompts, params, use_tqdm=False,
+                           lora_request=[lora] * len(prompts) + [None] * len(prompts))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in mixed]
+    assert [o.outputs[0].token_ids for o in got[:len(prompts)]] == peft_greedy
 
 
 @pytest.fixture(scope="module")
