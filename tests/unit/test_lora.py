@@ -161,6 +161,23 @@ def test_rslora_scaling_matches_peft(make_core, gemma3, adapters, prompts, want)
     assert helpers.run_to_completion(core)[("r", 0)] == want(reference, prompts[1])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_slots_hold_an_adapter_saved_in_that_dtype_exactly(dtype, make_core, gemma3, tiny_models, prompts,
+                                                                      tmp_path):
+    """--lora-dtype: an adapter whose weights are 16-bit values loses nothing in 16-bit slots, and the engine's
+    output is still transformers + PEFT's."""
+    path, reference = helpers.make_peft_adapter(tiny_models("llama")[1], str(tmp_path), seed=8,
+                                                round_to=getattr(torch, dtype))
+    core = _core(make_core, gemma3, "llama", enable_lora=True, lora_dtype=dtype)
+    lora = LoRARequest("sixteen", 8, path)
+    for i, prompt in enumerate(prompts):
+        _add(core, f"r{i}", prompt, lora)
+    out = helpers.run_to_completion(core)
+    assert core.executor.worker.runner.lora.targets[(0, "q_proj")].a.dtype == getattr(torch, dtype)
+    for i, prompt in enumerate(prompts):
+        assert out[(f"r{i}", 0)] == helpers.hf_greedy(reference, prompt, MAX_TOKENS), f"prompt {i}"
+
+
 def test_an_adapter_over_the_rank_limit_is_refused_naming_the_limit(make_core, gemma3, adapters, prompts):
     lora, _ = adapters("llama", 5, r=16)
     core = _core(make_core, gemma3, "llama", enable_lora=True, max_lora_rank=8)

@@ -1,5 +1,7 @@
 // The mixed-batch LoRA op (tokenloom/kernels/lora_ops.py has the layout and the torch reference):
 //   y[t] += scaling[s] * (x[t] @ lora_a[s].T) @ lora_b[s]   for every row t whose slot s = row_slots[t] >= 0.
+// y, x and scaling are float32; the slots (lora_a, lora_b) float32, bfloat16 or float16 (--lora-dtype), widened
+// to float32 as they are loaded, so the sums are float32 whatever the slots hold.
 //
 // The rows are first grouped by slot (a counting sort of a few dozen ints), then cut into blocks of up to
 // ROW_BLOCK rows of one adapter, so every load of A or B serves a whole block:
@@ -36,14 +38,21 @@ constexpr int SHRINK_RANKS = VL == 16 ? 4 : 2;
 // the 210 LoRA calls against 0.58 ms on one; at batch 32 (295k) the two threads win.
 constexpr int64_t PARALLEL_MIN_MACS = 1 << 17;
 
+// One slot element (float, bfloat16 or float16) as float32: a vector of VL, or one.
+inline vf load_w(const float* p) { return vload(p); }
+inline vf load_w(const at::BFloat16* p) { return vload_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline vf load_w(const at::Half* p) { return vload_f16(reinterpret_cast<const uint16_t*>(p)); }
+template <typename W>
+inline float scalar_w(W v) { return static_cast<float>(v); }
+
 struct Block {
   int32_t slot;
   int32_t first;  // index into the slot-sorted row order
   int32_t rows;
 };
 
-template <int N, int R>
-inline void shrink_tile(const float* const* xs, const float* a, int64_t in, float scale, float* h, int64_t rank,
+template <typename W, int N, int R>
+inline void shrink_tile(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank,
                         int64_t r0) {
   vf acc[N][R];
   for (int n = 0; n < N; ++n)
@@ -51,7 +60,7 @@ inline void shrink_tile(const float* const* xs, const float* a, int64_t in, floa
   int64_t i = 0;
   for (; i + VL <= in; i += VL) {
     vf av[R];
-    for (int r = 0; r < R; ++r) av[r] = vload(a + (r0 + r) * in + i);
+    for (int r = 0; r < R; ++r) av[r] = load_w(a + (r0 + r) * in + i);
     for (int n = 0; n < N; ++n) {
       const vf xv = vload(xs[n] + i);
       for (int r = 0; r < R; ++r) acc[n][r] = vfma(xv, av[r], acc[n][r]);
@@ -60,20 +69,20 @@ inline void shrink_tile(const float* const* xs, const float* a, int64_t in, floa
   for (int n = 0; n < N; ++n)
     for (int r = 0; r < R; ++r) {
       float sum = vsum(acc[n][r]);
-      for (int64_t j = i; j < in; ++j) sum += xs[n][j] * a[(r0 + r) * in + j];
+      for (int64_t j = i; j < in; ++j) sum += xs[n][j] * scalar_w(a[(r0 + r) * in + j]);
       h[n * rank + r0 + r] = scale * sum;
     }
 }
 
-template <int N>
-void shrink_block(const float* const* xs, const float* a, int64_t in, float scale, float* h, int64_t rank) {
+template <typename W, int N>
+void shrink_block(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank) {
   int64_t r = 0;
-  for (; r + SHRINK_RANKS <= rank; r += SHRINK_RANKS) shrink_tile<N, SHRINK_RANKS>(xs, a, in, scale, h, rank, r);
-  for (; r < rank; ++r) shrink_tile<N, 1>(xs, a, in, scale, h, rank, r);
+  for (; r + SHRINK_RANKS <= rank; r += SHRINK_RANKS) shrink_tile<W, N, SHRINK_RANKS>(xs, a, in, scale, h, rank, r);
+  for (; r < rank; ++r) shrink_tile<W, N, 1>(xs, a, in, scale, h, rank, r);
 }
 
-template <int N>
-void expand_block(float* const* ys, const float* h, const float* b, int64_t out, int64_t rank, int64_t o0,
+template <typename W, int N>
+void expand_block(float* const* ys, const float* h, const W* b, int64_t out, int64_t rank, int64_t o0,
                   int64_t o1) {
   int64_t o = o0;
   for (; o + 2 * VL <= o1; o += 2 * VL) {
@@ -83,7 +92,7 @@ void expand_block(float* const* ys, const float* h, const float* b, int64_t out,
       acc[n][1] = vload(ys[n] + o + VL);
     }
     for (int64_t r = 0; r < rank; ++r) {
-      const vf b0 = vload(b + r * out + o), b1 = vload(b + r * out + o + VL);
+      const vf b0 = load_w(b + r * out + o), b1 = load_w(b + r * out + o + VL);
       for (int n = 0; n < N; ++n) {
         const vf hv = vset1(h[n * rank + r]);
         acc[n][0] = vfma(hv, b0, acc[n][0]);
@@ -99,7 +108,7 @@ void expand_block(float* const* ys, const float* h, const float* b, int64_t out,
     vf acc[N];
     for (int n = 0; n < N; ++n) acc[n] = vload(ys[n] + o);
     for (int64_t r = 0; r < rank; ++r) {
-      const vf bv = vload(b + r * out + o);
+      const vf bv = load_w(b + r * out + o);
       for (int n = 0; n < N; ++n) acc[n] = vfma(vset1(h[n * rank + r]), bv, acc[n]);
     }
     for (int n = 0; n < N; ++n) vstore(ys[n] + o, acc[n]);
@@ -107,44 +116,71 @@ void expand_block(float* const* ys, const float* h, const float* b, int64_t out,
   for (; o < o1; ++o)
     for (int n = 0; n < N; ++n) {
       float acc = ys[n][o];
-      for (int64_t r = 0; r < rank; ++r) acc += h[n * rank + r] * b[r * out + o];
+      for (int64_t r = 0; r < rank; ++r) acc += h[n * rank + r] * scalar_w(b[r * out + o]);
       ys[n][o] = acc;
     }
 }
 
-// fn<N>(...) for the block's row count N in 1..ROW_BLOCK.
-template <template <int> class F, typename... Args>
-void by_rows(int rows, Args&&... args) {
+// The block's shrink and expand for its row count, 1..ROW_BLOCK.
+template <typename W>
+void shrink_rows(int rows, const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank) {
   switch (rows) {
-    case 1: F<1>::run(args...); break;
-    case 2: F<2>::run(args...); break;
-    case 3: F<3>::run(args...); break;
-    default: F<4>::run(args...); break;
+    case 1: shrink_block<W, 1>(xs, a, in, scale, h, rank); break;
+    case 2: shrink_block<W, 2>(xs, a, in, scale, h, rank); break;
+    case 3: shrink_block<W, 3>(xs, a, in, scale, h, rank); break;
+    default: shrink_block<W, 4>(xs, a, in, scale, h, rank); break;
   }
 }
 
-template <int N>
-struct Shrink {
-  static void run(const float* const* xs, const float* a, int64_t in, float scale, float* h, int64_t rank) {
-    shrink_block<N>(xs, a, in, scale, h, rank);
+template <typename W>
+void expand_rows(int rows, float* const* ys, const float* h, const W* b, int64_t out, int64_t rank, int64_t o0,
+                 int64_t o1) {
+  switch (rows) {
+    case 1: expand_block<W, 1>(ys, h, b, out, rank, o0, o1); break;
+    case 2: expand_block<W, 2>(ys, h, b, out, rank, o0, o1); break;
+    case 3: expand_block<W, 3>(ys, h, b, out, rank, o0, o1); break;
+    default: expand_block<W, 4>(ys, h, b, out, rank, o0, o1); break;
   }
-};
-
-template <int N>
-struct Expand {
-  static void run(float* const* ys, const float* h, const float* b, int64_t out, int64_t rank, int64_t o0,
-                  int64_t o1) {
-    expand_block<N>(ys, h, b, out, rank, o0, o1);
-  }
-};
+}
 
 int64_t grain_for(int64_t items, int64_t macs) { return macs < PARALLEL_MIN_MACS ? std::max<int64_t>(items, 1) : 1; }
 
+// Both passes over the blocks, the slots' elements of type W.
+template <typename W>
+void add_deltas(float* yp, int64_t y_stride, const float* xp, int64_t x_stride, const W* ap, const W* bp,
+                const float* sp, const std::vector<int32_t>& order, const std::vector<Block>& blocks, int64_t in,
+                int64_t out, int64_t rank) {
+  const int64_t used = static_cast<int64_t>(order.size()), num_blocks = static_cast<int64_t>(blocks.size());
+  // h[p, r] for the p-th row of the sorted order, already multiplied by its slot's scaling.
+  std::vector<float> h(static_cast<size_t>(used * rank));
+  at::parallel_for(0, num_blocks, grain_for(num_blocks, used * rank * in), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const Block& blk = blocks[k];
+      const float* xs[ROW_BLOCK];
+      for (int n = 0; n < blk.rows; ++n) xs[n] = xp + order[blk.first + n] * x_stride;
+      shrink_rows<W>(blk.rows, xs, ap + blk.slot * rank * in, in, sp[blk.slot], h.data() + blk.first * rank, rank);
+    }
+  });
+  const int64_t chunks = (out + OUT_CHUNK - 1) / OUT_CHUNK;
+  at::parallel_for(0, chunks, grain_for(chunks, used * rank * out), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t o0 = c * OUT_CHUNK, o1 = std::min(out, o0 + OUT_CHUNK);
+      for (const Block& blk : blocks) {
+        float* ys[ROW_BLOCK];
+        for (int n = 0; n < blk.rows; ++n) ys[n] = yp + order[blk.first + n] * y_stride;
+        expand_rows<W>(blk.rows, ys, h.data() + blk.first * rank, bp + blk.slot * rank * out, out, rank, o0, o1);
+      }
+    }
+  });
+}
+
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
               const at::Tensor& scaling, const at::Tensor& row_slots) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && lora_a.scalar_type() == at::kFloat &&
-                  lora_b.scalar_type() == at::kFloat && scaling.scalar_type() == at::kFloat,
-              "lora_add: float32 y, x, lora_a, lora_b, scaling");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && scaling.scalar_type() == at::kFloat,
+              "lora_add: float32 y, x, scaling");
+  const auto w = lora_a.scalar_type();
+  TORCH_CHECK((w == at::kFloat || w == at::kBFloat16 || w == at::kHalf) && lora_b.scalar_type() == w,
+              "lora_add: lora_a and lora_b both float32, bfloat16 or float16");
   TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.dim() == 1, "lora_add: int32 row_slots [rows]");
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3 && scaling.dim() == 1,
               "lora_add: y [rows, out], x [rows, in], lora_a [slots, rank, in], lora_b [slots, rank, out]");
@@ -168,9 +204,8 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
     if (slot_of[t] >= 0) ++count[slot_of[t] + 1];
   }
   for (int64_t s = 0; s < slots; ++s) count[s + 1] += count[s];
-  const int64_t used = count[slots];
-  if (used == 0) return;
-  std::vector<int32_t> order(static_cast<size_t>(used));
+  if (count[slots] == 0) return;
+  std::vector<int32_t> order(static_cast<size_t>(count[slots]));
   {
     std::vector<int64_t> next(count.begin(), count.end() - 1);
     for (int64_t t = 0; t < rows; ++t)
@@ -182,38 +217,18 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
       blocks.push_back({static_cast<int32_t>(s), static_cast<int32_t>(p),
                         static_cast<int32_t>(std::min<int64_t>(ROW_BLOCK, count[s + 1] - p))});
 
-  const float* xp = x.data_ptr<float>();
-  const float* ap = a_c.data_ptr<float>();
-  const float* bp = b_c.data_ptr<float>();
-  const float* sp = s_c.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-
-  // h[p, r] for the p-th row of the sorted order, already multiplied by its slot's scaling.
-  std::vector<float> h(static_cast<size_t>(used * rank));
-  at::parallel_for(0, num_blocks, grain_for(num_blocks, used * rank * in), [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const Block& blk = blocks[k];
-      const float* xs[ROW_BLOCK];
-      for (int n = 0; n < blk.rows; ++n) xs[n] = xp + order[blk.first + n] * x_stride;
-      by_rows<Shrink>(blk.rows, static_cast<const float* const*>(xs), ap + blk.slot * rank * in, in, sp[blk.slot],
-                      h.data() + blk.first * rank, rank);
-    }
-  });
-
-  const int64_t chunks = (out + OUT_CHUNK - 1) / OUT_CHUNK;
-  at::parallel_for(0, chunks, grain_for(chunks, used * rank * out), [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t o0 = c * OUT_CHUNK, o1 = std::min(out, o0 + OUT_CHUNK);
-      for (const Block& blk : blocks) {
-        float* ys[ROW_BLOCK];
-        for (int n = 0; n < blk.rows; ++n) ys[n] = yp + order[blk.first + n] * y_stride;
-        by_rows<Expand>(blk.rows, static_cast<float* const*>(ys), static_cast<const float*>(h.data() + blk.first * rank),
-                        bp + blk.slot * rank * out, out, rank, o0, o1);
-      }
-    }
-  });
+  const float* xp = x.data_ptr<float>();
+  const float* sp = s_c.data_ptr<float>();
+  if (w == at::kFloat)
+    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<float>(), b_c.data_ptr<float>(), sp, order, blocks, in,
+               out, rank);
+  else if (w == at::kBFloat16)
+    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<at::BFloat16>(), b_c.data_ptr<at::BFloat16>(), sp,
+               order, blocks, in, out, rank);
+  else
+    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<at::Half>(), b_c.data_ptr<at::Half>(), sp, order,
+               blocks, in, out, rank);
 }
 
 }  // namespace
