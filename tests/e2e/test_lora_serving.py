@@ -137,6 +137,27 @@ def test_responses_to_adapter_requests_report_the_adapters_name_as_their_model(s
         assert reported and set(reported) == {model}, (model, reported)
 
 
+def test_chat_responses_and_anthropic_messages_answer_with_the_adapter_they_name(server):
+    """Every API that names a model picks the adapter by it: the same greedy answer from each, not the base
+    model's."""
+    question = [{"role": "user", "content": "Name a color."}]
+    common = {"max_tokens": NEW_TOKENS, "temperature": 0}
+
+    def chat(model: str) -> str:
+        r = server.post("/v1/chat/completions", json={"model": model, "messages": question, **common})
+        return r.json()["choices"][0]["message"]["content"]
+
+    adapter_text = chat("smol-ft")
+    r = server.post("/v1/messages", json={"model": "smol-ft", "messages": question, **common})
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == adapter_text
+    r = server.post("/v1/responses", json={"model": "smol-ft", "input": "Name a color.", "temperature": 0,
+                                           "max_output_tokens": NEW_TOKENS})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == adapter_text
+    assert chat(server.model) != adapter_text
+
+
 def test_an_unknown_model_is_a_404_in_openais_shape(server):
     out = _complete(server, "no-such-adapter")
     assert out["status"] == 404 and out["error"]["code"] == "model_not_found"

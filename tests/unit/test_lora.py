@@ -140,6 +140,23 @@ def test_more_adapters_than_slots_wait_for_one_and_all_finish_correctly(make_cor
     assert core.scheduler.lora_slots.num_loads == 3
 
 
+def test_adapters_kept_in_host_memory_go_back_into_a_slot_without_their_files_being_read_again(make_core, gemma3,
+                                                                                             adapters, prompts, want):
+    """--max-cpu-loras 2 over one slot: adapters 1, 2, 1, 3, 2 in turn read 1, 2, 3 and 2 again (1 was kept, then
+    2 was the least recently used of the two kept), and every output is its own model's."""
+    loras = {n: adapters("llama", n) for n in (1, 2, 3)}
+    core = _core(make_core, gemma3, "llama", enable_lora=True, max_loras=1, max_cpu_loras=2)
+    slots = core.executor.worker.runner.lora
+    reads: list[str] = []
+    read_files = slots.reader
+    slots.reader = lambda lora: reads.append(lora.lora_name) or read_files(lora)
+    for turn, n in enumerate((1, 2, 1, 3, 2)):
+        lora, reference = loras[n]
+        _add(core, f"t{turn}", prompts[0], lora)
+        assert helpers.run_to_completion(core)[(f"t{turn}", 0)] == want(reference, prompts[0])
+    assert reads == ["llama-1", "llama-2", "llama-3", "llama-2"]
+
+
 def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(make_core, gemma3, adapters, prompts, want):
     """The same long prompt under adapter 1, then adapter 2, then the base model: each finds no cached prefix
     of the others', and each output is its own model's."""
