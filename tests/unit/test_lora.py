@@ -157,6 +157,28 @@ def test_adapters_kept_in_host_memory_go_back_into_a_slot_without_their_files_be
     assert reads == ["llama-1", "llama-2", "llama-3", "llama-2"]
 
 
+def test_an_adapter_removed_while_its_requests_run_serves_them_to_the_end(make_core, gemma3, adapters, prompts,
+                                                                         want):
+    """Unloading takes the adapter from the server's names (new requests get 404, test_lora_serving.py); the
+    request already running keeps its slot, which another adapter's request waiting for the one slot does not
+    take until it finishes, and both end with their own model's output."""
+    (lora1, ref1), (lora2, ref2) = adapters("llama", 1), adapters("llama", 2)
+    core = _core(make_core, gemma3, "llama", enable_lora=True, max_loras=1)
+    core.add_lora(lora1.lora_name, lora1.lora_int_id, lora1.lora_path)
+    _add(core, "r", prompts[2], lora1)
+    removed_at_step = 2
+
+    def remove_then_ask_for_another(c, steps: int) -> None:
+        if steps == removed_at_step:
+            c.remove_lora(lora1.lora_int_id)
+            _add(c, "other", prompts[1], lora2)
+
+    out = helpers.run_to_completion(core, on_step=remove_then_ask_for_another)
+    assert out[("r", 0)] == want(ref1, prompts[2])
+    assert out[("other", 0)] == want(ref2, prompts[1])
+    assert len(out[("r", 0)]) == MAX_TOKENS > removed_at_step
+
+
 def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(make_core, gemma3, adapters, prompts, want):
     """The same long prompt under adapter 1, then adapter 2, then the base model: each finds no cached prefix
     of the others', and each output is its own model's."""
