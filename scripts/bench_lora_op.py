@@ -3,10 +3,12 @@
 Per fused projection (qkv, o, gate_up, down) and batch (1 row with an adapter; 32 rows spread round robin over
 4 adapters): the base quantized GEMM the model runs (`quant_gemm`, exact), the native `lora_add` for every
 checkpoint target inside it (q, k, v in qkv; gate, up in gate_up), and the torch reference for the same.
-Microseconds a call, best of 7 rounds in which the variants take turns (so a load spike from other jobs hits
-them alike); ratios are the LoRA time over the base GEMM's.
+Microseconds a call (a layer's), best of 7 rounds in which the variants take turns (so a load spike from other jobs hits
+them alike); ratios are the LoRA time over the base GEMM's. `--lora-dtype bfloat16` holds the slots as the
+engine's --lora-dtype does. `--layers 30` gives the LoRA variants 30 copies of the slots, used in turn, so
+their weights come from memory as in a decode step (the model's 30 layers) rather than from the cache.
 
-Usage: .venv/bin/python scripts/bench_lora_op.py [--threads N] [--rank 16]
+Usage: .venv/bin/python scripts/bench_lora_op.py [--threads N] [--rank 16] [--lora-dtype float32] [--layers 1]
 """
 import argparse
 import time
@@ -23,6 +25,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=1, help="torch threads (1: two wait on each other on a busy box)")
 parser.add_argument("--rank", type=int, default=16)
 parser.add_argument("--adapters", type=int, default=4)
+parser.add_argument("--lora-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+parser.add_argument("--layers", type=int, default=1, help="copies of the slots used in turn (30: a step's worth)")
 args = parser.parse_args()
 assert kernels.load(), "the native kernels did not load"
 torch.set_num_threads(args.threads)
@@ -53,8 +57,12 @@ def best_us(fns: dict, reps: int, rounds: int = 7) -> dict:
     return {name: t * 1e6 for name, t in best.items()}
 
 
+_MODULES = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
+            "down": ("mlp", "down_proj")}
 g = torch.Generator().manual_seed(0)
-print(f"rank {args.rank}, {args.adapters} adapters, {args.threads} thread(s), ISA {kernels.isa()}")
+print(f"rank {args.rank}, {args.adapters} adapters, {args.lora_dtype} slots x {args.layers}, {args.threads} "
+      f"thread(s), ISA {kernels.isa()}")
+slot_dtype = getattr(torch, args.lora_dtype)
 for rows, slots_used in ((1, 1), (32, args.adapters)):
     row_slots = (torch.arange(rows, dtype=torch.int32) % slots_used).to(torch.int32)
     scaling = torch.full((args.adapters,), 2.0)
@@ -62,26 +70,37 @@ for rows, slots_used in ((1, 1), (32, args.adapters)):
         fan_in = w.shape[1]
         x = torch.randn(rows, fan_in, generator=g)
         y = torch.zeros(rows, w.shape[0])
-        targets = []
-        column = 0
-        for width in widths:
-            a = torch.randn(args.adapters, args.rank, fan_in, generator=g) * 0.01
-            b = torch.randn(args.adapters, args.rank, width, generator=g) * 0.01
-            targets.append((y[:, column:column + width], a, b))
-            column += width
-        p = w.panels
+        copies = []  # per layer copy: (output slice, A, B) of each target
+        for _ in range(args.layers):
+            targets, column = [], 0
+            for width in widths:
+                a = (torch.randn(args.adapters, args.rank, fan_in, generator=g) * 0.01).to(slot_dtype)
+                b = (torch.randn(args.adapters, args.rank, width, generator=g) * 0.01).to(slot_dtype)
+                targets.append((y[:, column:column + width], a, b))
+                column += width
+            copies.append(targets)
+        # the same projection of each layer in turn (the base GEMM reads its weights from memory too)
+        weights = [getattr(getattr(model.model.layers[i % len(model.model.layers)], parent), attr).weight
+                   for i in range(args.layers) for parent, attr in [_MODULES[name]]]
 
         def native():
-            for out, a, b in targets:
-                torch.ops.tokenloom.lora_add(out, x, a, b, scaling, row_slots)
+            for targets in copies:
+                for out, a, b in targets:
+                    torch.ops.tokenloom.lora_add(out, x, a, b, scaling, row_slots)
 
         def reference():
-            for out, a, b in targets:
-                lora_add_reference(out, x, a, b, scaling, row_slots)
+            for targets in copies:
+                for out, a, b in targets:
+                    lora_add_reference(out, x, a, b, scaling, row_slots)
 
-        times = best_us({"base": lambda: quant.quant_gemm(x, p.qpacked, p.scales, p.mins, p.columns, w.bits,
-                                                          w.block_size),
-                         "lora-native": native, "lora-torch": reference}, reps=max(5, 200 // rows))
+        def base_gemm():
+            for wl in weights:
+                p = wl.panels
+                quant.quant_gemm(x, p.qpacked, p.scales, p.mins, p.columns, wl.bits, wl.block_size)
+
+        times = best_us({"base": base_gemm, "lora-native": native, "lora-torch": reference},
+                        reps=max(2, 200 // rows // args.layers))
+        times = {k: v / args.layers for k, v in times.items()}  # per layer
         base = times["base"]
         print(f"rows {rows:3d} {name:8s} {tuple(w.shape)}: base {base:7.0f} us  native {times['lora-native']:6.0f} us "
               f"({times['lora-native'] / base:5.1%} of base)  torch {times['lora-torch']:6.0f} us "

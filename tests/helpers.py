@@ -283,9 +283,10 @@ LORA_ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 
 
 def make_peft_adapter(hf_model, folder: str, r: int = 8, alpha: int = 16, targets: Sequence[str] = LORA_ALL_TARGETS,
-                      seed: int = 0, use_rslora: bool = False):
+                      seed: int = 0, use_rslora: bool = False, round_to: torch.dtype | None = None):
     """A random LoRA adapter made by PEFT on a copy of `hf_model` (B non-zero), saved to `folder` as PEFT saves
-    one; returns (folder, the PEFT model: the reference)."""
+    one; returns (folder, the PEFT model: the reference). `round_to`: its weights rounded to that dtype (kept
+    float32), as an adapter trained and saved in it holds them."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -293,6 +294,10 @@ def make_peft_adapter(hf_model, folder: str, r: int = 8, alpha: int = 16, target
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
                         use_rslora=use_rslora)
     peft_model = get_peft_model(copy.deepcopy(hf_model), config).eval()
+    if round_to is not None:
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(round_to).float()
     peft_model.save_pretrained(folder)
     return folder, peft_model
 

@@ -1,18 +1,20 @@
 """LoRA adapters on the embedded model (SmolLM2-135M-Instruct, quantized GGUF): offline against transformers +
-PEFT on the same dequantized weights, and served by `tokenloom serve` (names, listing, errors, run-time loads).
+PEFT on the same dequantized weights, at one rank and split over three (its 9 heads and 3 KV heads shard at
+TP=3), and served by `tokenloom serve` (names, listing, errors, run-time loads).
 
 Tolerance: as test_reference_embedded.py (both sides dequantize the same file and run float32 math): greedy
 tokens identical, prompt logprobs within 3e-4.
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import helpers
 import pytest
 from server_harness import ServerProcess
 
-from tokenloom import LoRARequest, SamplingParams
+from tokenloom import LLM, LoRARequest, SamplingParams
 
 LOGPROB_TOL = 3e-4
 NEW_TOKENS = 8
@@ -44,9 +46,16 @@ def mixed(llm, prompts, adapter):
                         [None] * len(prompts))
 
 
-def test_adapter_greedy_output_and_prompt_logprobs_match_transformers_with_peft(adapter, prompts, mixed):
+@pytest.fixture(scope="module")
+def peft_greedy(adapter, prompts):
+    """transformers + PEFT's greedy tokens for each prompt."""
+    return helpers.hf_greedy_batch(adapter[1], prompts, NEW_TOKENS)
+
+
+def test_adapter_greedy_output_and_prompt_logprobs_match_transformers_with_peft(adapter, prompts, mixed,
+                                                                              peft_greedy):
     _, reference = adapter
-    want = helpers.hf_greedy_batch(reference, prompts, NEW_TOKENS)
+    want = peft_greedy
     worst = 0.0
     for prompt, out, tokens in zip(prompts, mixed, want):
         assert out.outputs[0].token_ids == tokens, helpers.describe_divergence(reference, prompt,
@@ -65,6 +74,20 @@ def test_base_requests_beside_adapter_requests_match_the_base_model_alone(llm, p
     base_in_mix = mixed[len(prompts):]
     assert [o.outputs[0].token_ids for o in base_in_mix] == [o.outputs[0].token_ids for o in alone]
     assert base_in_mix[0].outputs[0].token_ids != mixed[0].outputs[0].token_ids
+
+
+@pytest.mark.tp
+def test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft(adapter, prompts, mixed, peft_greedy):
+    """Three ranks: q, k, v, gate and up hold their rows of B, o and down their columns of A, the deltas summed
+    by the all-reduce with the partial sums; the base rows beside them keep the base model's output."""
+    lora = LoRARequest("smol-ft", 1, adapter[0])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(progress=False, tensor_parallel_size=3, dtype="float32", device="cpu", num_blocks=128,
+             log_stats_interval=0, enable_lora=True) as tp3:
+        got = tp3.generate(prompts + prompts, params, use_tqdm=False,
+                           lora_request=[lora] * len(prompts) + [None] * len(prompts))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in mixed]
+    assert [o.outputs[0].token_ids for o in got[:len(prompts)]] == peft_greedy
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +110,52 @@ def test_the_model_field_picks_the_adapter_and_models_lists_it_with_its_parent(s
     got = _complete(server, "smol-ft")["choices"][0]["text"]
     assert got == llm.tokenizer.decode(mixed[0].outputs[0].token_ids)
     assert _complete(server, server.model)["choices"][0]["text"] != got
+
+
+def _reported_models(server, path: str, body: dict) -> list[str]:
+    """The `model` of the answer, or of every streamed chunk or Responses event that carries one."""
+    r = server.post(path, json=body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return [r.json()["model"]]
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return [e["model"] if "model" in e else e["response"]["model"] for e in events
+            if "model" in e or "model" in e.get("response", {})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["completions", "chat", "responses"])
+def test_responses_to_adapter_requests_report_the_adapters_name_as_their_model(server, api, stream):
+    """As vLLM answers: the adapter's name in the body and in every chunk; the base model's own name otherwise."""
+    content = {"completions": ("/v1/completions", {"prompt": TEXTS[0], "max_tokens": 3}),
+               "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+               "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 3})}
+    path, body = content[api]
+    for model in ("smol-ft", server.model):
+        reported = _reported_models(server, path, {**body, "model": model, "stream": stream})
+        assert reported and set(reported) == {model}, (model, reported)
+
+
+def test_chat_responses_and_anthropic_messages_answer_with_the_adapter_they_name(server):
+    """Every API that names a model picks the adapter by it: the same greedy answer from each, not the base
+    model's."""
+    question = [{"role": "user", "content": "Name a color."}]
+    common = {"max_tokens": NEW_TOKENS, "temperature": 0}
+
+    def chat(model: str) -> str:
+        r = server.post("/v1/chat/completions", json={"model": model, "messages": question, **common})
+        return r.json()["choices"][0]["message"]["content"]
+
+    adapter_text = chat("smol-ft")
+    r = server.post("/v1/messages", json={"model": "smol-ft", "messages": question, **common})
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == adapter_text
+    r = server.post("/v1/responses", json={"model": "smol-ft", "input": "Name a color.", "temperature": 0,
+                                           "max_output_tokens": NEW_TOKENS})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == adapter_text
+    assert chat(server.model) != adapter_text
 
 
 def test_an_unknown_model_is_a_404_in_openais_shape(server):

@@ -36,6 +36,17 @@ def test_random_shapes_and_ranks_match_the_reference(rows, dim_in, dim_out, slot
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,dim_in,dim_out,slots,rank,seed", [(32, 576, 1536, 4, 16, 13), (5, 33, 71, 3, 7, 14)],
+                         ids=str)
+def test_sixteen_bit_slots_give_the_references_sums_of_the_same_weights(dtype, rows, dim_in, dim_out, slots, rank,
+                                                                        seed):
+    """--lora-dtype bfloat16 / float16: the kernel widens each weight to float32 and sums in float32."""
+    y, x, a, b, scaling, row_slots = _case(rows, dim_in, dim_out, slots, rank, seed)
+    native, reference = _both(y, x, a.to(dtype), b.to(dtype), scaling, row_slots)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_without_an_adapter_are_left_bit_for_bit():
     y, x, a, b, scaling, row_slots = _case(12, 64, 96, 2, 8, seed=5)
     native, _ = _both(y, x, a, b, scaling, row_slots)

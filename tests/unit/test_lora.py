@@ -140,6 +140,45 @@ def test_more_adapters_than_slots_wait_for_one_and_all_finish_correctly(make_cor
     assert core.scheduler.lora_slots.num_loads == 3
 
 
+def test_adapters_kept_in_host_memory_go_back_into_a_slot_without_their_files_being_read_again(make_core, gemma3,
+                                                                                             adapters, prompts, want):
+    """--max-cpu-loras 2 over one slot: adapters 1, 2, 1, 3, 2 in turn read 1, 2, 3 and 2 again (1 was kept, then
+    2 was the least recently used of the two kept), and every output is its own model's."""
+    loras = {n: adapters("llama", n) for n in (1, 2, 3)}
+    core = _core(make_core, gemma3, "llama", enable_lora=True, max_loras=1, max_cpu_loras=2)
+    slots = core.executor.worker.runner.lora
+    reads: list[str] = []
+    read_files = slots.reader
+    slots.reader = lambda lora: reads.append(lora.lora_name) or read_files(lora)
+    for turn, n in enumerate((1, 2, 1, 3, 2)):
+        lora, reference = loras[n]
+        _add(core, f"t{turn}", prompts[0], lora)
+        assert helpers.run_to_completion(core)[(f"t{turn}", 0)] == want(reference, prompts[0])
+    assert reads == ["llama-1", "llama-2", "llama-3", "llama-2"]
+
+
+def test_an_adapter_removed_while_its_requests_run_serves_them_to_the_end(make_core, gemma3, adapters, prompts,
+                                                                         want):
+    """Unloading takes the adapter from the server's names (new requests get 404, test_lora_serving.py); the
+    request already running keeps its slot, which another adapter's request waiting for the one slot does not
+    take until it finishes, and both end with their own model's output."""
+    (lora1, ref1), (lora2, ref2) = adapters("llama", 1), adapters("llama", 2)
+    core = _core(make_core, gemma3, "llama", enable_lora=True, max_loras=1)
+    core.add_lora(lora1.lora_name, lora1.lora_int_id, lora1.lora_path)
+    _add(core, "r", prompts[2], lora1)
+    removed_at_step = 2
+
+    def remove_then_ask_for_another(c, steps: int) -> None:
+        if steps == removed_at_step:
+            c.remove_lora(lora1.lora_int_id)
+            _add(c, "other", prompts[1], lora2)
+
+    out = helpers.run_to_completion(core, on_step=remove_then_ask_for_another)
+    assert out[("r", 0)] == want(ref1, prompts[2])
+    assert out[("other", 0)] == want(ref2, prompts[1])
+    assert len(out[("r", 0)]) == MAX_TOKENS > removed_at_step
+
+
 def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(make_core, gemma3, adapters, prompts, want):
     """The same long prompt under adapter 1, then adapter 2, then the base model: each finds no cached prefix
     of the others', and each output is its own model's."""
@@ -159,6 +198,23 @@ def test_rslora_scaling_matches_peft(make_core, gemma3, adapters, prompts, want)
     core = _core(make_core, gemma3, "llama", enable_lora=True, max_lora_rank=8)
     _add(core, "r", prompts[1], lora)
     assert helpers.run_to_completion(core)[("r", 0)] == want(reference, prompts[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_slots_hold_an_adapter_saved_in_that_dtype_exactly(dtype, make_core, gemma3, tiny_models, prompts,
+                                                                      tmp_path):
+    """--lora-dtype: an adapter whose weights are 16-bit values loses nothing in 16-bit slots, and the engine's
+    output is still transformers + PEFT's."""
+    path, reference = helpers.make_peft_adapter(tiny_models("llama")[1], str(tmp_path), seed=8,
+                                                round_to=getattr(torch, dtype))
+    core = _core(make_core, gemma3, "llama", enable_lora=True, lora_dtype=dtype)
+    lora = LoRARequest("sixteen", 8, path)
+    for i, prompt in enumerate(prompts):
+        _add(core, f"r{i}", prompt, lora)
+    out = helpers.run_to_completion(core)
+    assert core.executor.worker.runner.lora.targets[(0, "q_proj")].a.dtype == getattr(torch, dtype)
+    for i, prompt in enumerate(prompts):
+        assert out[(f"r{i}", 0)] == helpers.hf_greedy(reference, prompt, MAX_TOKENS), f"prompt {i}"
 
 
 def test_an_adapter_over_the_rank_limit_is_refused_naming_the_limit(make_core, gemma3, adapters, prompts):

@@ -126,13 +126,14 @@ def test_a_decode_step_matches_the_layer_by_layer_forward_bit_for_bit(quantized)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, eager_caches))
 
 
-@pytest.fixture
-def random_lora(quantized):
-    """Three LoRA slots of rank 8 on every target of the session's model, random A and B; detached after."""
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=str)
+def random_lora(quantized, request):
+    """Three LoRA slots of rank 8 on every target of the session's model, random A and B, in float32 and in
+    bfloat16 slots (--lora-dtype); detached after."""
     from tokenloom.lora.layer import LoRALayer
     from tokenloom.model.lora_slots import attach_lora
     model = quantized.model
-    lora = attach_lora(model, model.config, num_slots=3, max_rank=8, device=torch.device("cpu"))
+    lora = attach_lora(model, model.config, num_slots=3, max_rank=8, device=torch.device("cpu"), dtype=request.param)
     g = torch.Generator().manual_seed(0)
     for target in lora.targets.values():
         target.a.copy_(torch.randn(target.a.shape, generator=g) * 0.05)

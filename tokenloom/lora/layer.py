@@ -44,13 +44,15 @@ class Narrow:
 
 
 class LoRATarget:
-    """One projection's slots: a float32 [slots, max_rank, in], b float32 [slots, max_rank, out], zero-padded
-    past each adapter's rank; `column` is where its output starts in the layer's (fused) output."""
+    """One projection's slots: a [slots, max_rank, in], b [slots, max_rank, out], zero-padded past each adapter's
+    rank, in the slots' dtype (--lora-dtype: an adapter's float32 pairs are rounded to it as they are loaded);
+    `column` is where its output starts in the layer's (fused) output."""
 
     def __init__(self, num_slots: int, max_rank: int, fan_in: int, fan_out: int, column: int,
-                 a_shard: Narrow | None, b_shard: Narrow | None, device: torch.device):
-        self.a = torch.zeros(num_slots, max_rank, fan_in, dtype=torch.float32, device=device)
-        self.b = torch.zeros(num_slots, max_rank, fan_out, dtype=torch.float32, device=device)
+                 a_shard: Narrow | None, b_shard: Narrow | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        self.a = torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, max_rank, fan_out, dtype=dtype, device=device)
         self.column = column
         self.a_shard = a_shard  # along A's input columns (row-parallel targets)
         self.b_shard = b_shard  # along B's output rows (column-parallel targets)

@@ -25,8 +25,9 @@ class ModelLoRA:
     num_layers: int
 
 
-def attach_lora(model: nn.Module, arch: ArchConfig, num_slots: int, max_rank: int,
-                device: torch.device) -> ModelLoRA:
+def attach_lora(model: nn.Module, arch: ArchConfig, num_slots: int, max_rank: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> ModelLoRA:
+    """`dtype`: the slots' (--lora-dtype); the delta is computed in float32 whatever they hold."""
     batch = LoRABatch(num_slots, device)
     targets: dict[tuple[int, str], LoRATarget] = {}
     names: set[str] = set()
@@ -36,7 +37,7 @@ def attach_lora(model: nn.Module, arch: ArchConfig, num_slots: int, max_rank: in
                              (getattr(layer.self_attn, "o_proj", None), "o_proj"),
                              (getattr(layer.mlp, "gate_up_proj", None), "gate_up"),
                              (getattr(layer.mlp, "down_proj", None), "down_proj")):
-            parts = _targets(module, name, num_slots, max_rank, device)
+            parts = _targets(module, name, num_slots, max_rank, device, dtype)
             if not parts:
                 continue
             module.lora = LoRALayer(batch, parts)
@@ -46,8 +47,8 @@ def attach_lora(model: nn.Module, arch: ArchConfig, num_slots: int, max_rank: in
     return ModelLoRA(batch, targets, shapes, len(layers))
 
 
-def _targets(module: nn.Module | None, name: str, slots: int, rank: int,
-             device: torch.device) -> dict[str, LoRATarget]:
+def _targets(module: nn.Module | None, name: str, slots: int, rank: int, device: torch.device,
+             dtype: torch.dtype) -> dict[str, LoRATarget]:
     """The module's targets by checkpoint name; `name` is its place (qkv, o_proj, gate_up, down_proj)."""
     if name == "qkv" and isinstance(module, QKVParallelLinear):
         out = {}
@@ -55,19 +56,19 @@ def _targets(module: nn.Module | None, name: str, slots: int, rank: int,
             start, size = module.offsets[shard]
             index = module.tp.rank if shard == "q" else module.tp.rank // module.kv_replicas
             out[f"{shard}_proj"] = LoRATarget(slots, rank, module.in_features, size, start, None,
-                                              Narrow(0, index * size, size), device)
+                                              Narrow(0, index * size, size), device, dtype)
         return out
     if name == "gate_up" and isinstance(module, MergedColumnParallelLinear) and set(module.offsets) == {"gate", "up"}:
         out = {}
         for shard in ("gate", "up"):
             start, size = module.offsets[shard]
             out[f"{shard}_proj"] = LoRATarget(slots, rank, module.in_features, size, start, None,
-                                              Narrow(0, module.tp.rank * size, size), device)
+                                              Narrow(0, module.tp.rank * size, size), device, dtype)
         return out
     if name in ("o_proj", "down_proj") and isinstance(module, RowParallelLinear):
         size = module.in_features
         return {name: LoRATarget(slots, rank, size, module.out_features, 0, Narrow(1, module.tp.rank * size, size),
-                                 None, device)}
+                                 None, device, dtype)}
     return {}
 
 

@@ -120,9 +120,11 @@ def load_weights(config: EngineConfig, plan: DevicePlan, progress: bool) -> Load
                           loaded.arch.hidden_size)
     lora = None
     if config.lora.enable_lora:  # before the memory is measured: the slots' buffers are part of the weights
-        lora = attach_lora(loaded.model, loaded.arch, config.lora.num_slots, config.lora.max_lora_rank, plan.device)
-        logger.info("LoRA: %d slots of rank %d on %d projections", config.lora.num_slots,
-                    config.lora.max_lora_rank, len(lora.targets))
+        slot_dtype = same_or(config.lora.lora_dtype, plan.dtype)
+        lora = attach_lora(loaded.model, loaded.arch, config.lora.num_slots, config.lora.max_lora_rank, plan.device,
+                           slot_dtype)
+        logger.info("LoRA: %d slots of rank %d (%s) on %d projections", config.lora.num_slots,
+                    config.lora.max_lora_rank, dtype_name(slot_dtype), len(lora.targets))
     return LoadedWeights(loaded, _load_draft(config, loaded, plan, progress), pooling, lora)
 
 

@@ -177,8 +177,9 @@ class OpenAIServingChat(OpenAIServing):
                 choice["token_ids"] = list(o.token_ids)
             choices.append(choice)
         body: JsonObject = {
-            "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-            "system_fingerprint": self.system_fingerprint, "choices": choices,
+            "id": request_id, "object": "chat.completion", "created": created,
+            "model": self.response_model(request.model), "system_fingerprint": self.system_fingerprint,
+            "choices": choices,
             "usage": usage_body(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens),
         }
         if request.return_token_ids:
@@ -191,10 +192,10 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+    def _chunk(self, request_id: str, model: str, created: int, choices: list[JsonObject],
                usage: JsonObject | None = None, with_usage_key: bool = False) -> str:
         body: JsonObject = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                "model": self.model_name, "system_fingerprint": self.system_fingerprint,
+                                "model": model, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
             body["usage"] = usage
@@ -203,6 +204,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, gen: AsyncIterator[RequestOutput], request_id: str,
                       created: int) -> AsyncIterator[str]:
         n = request.n or 1
+        model = self.response_model(request.model)
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
@@ -226,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
                                                   "logprobs": None, "finish_reason": None}
                         if request.return_token_ids and i == 0:
                             choice["prompt_token_ids"] = list(out.prompt_token_ids)
-                        yield self._chunk(request_id, created, [choice],
+                        yield self._chunk(request_id, model, created, [choice],
                                           usage_body(prompt_tokens, 0, cached) if continuous else None,
                                           include_usage)
                 for o in out.outputs:
@@ -250,9 +252,9 @@ class OpenAIServingChat(OpenAIServing):
                     sent_text[i] = len(o.text)
                     sent_tokens[i] = len(o.token_ids)
                     done[i] = o.finish_reason is not None
-                    yield self._chunk(request_id, created, [choice], usage, include_usage)
+                    yield self._chunk(request_id, model, created, [choice], usage, include_usage)
             if include_usage:
-                yield self._chunk(request_id, created, [], usage_body(prompt_tokens, generated, cached))
+                yield self._chunk(request_id, model, created, [], usage_body(prompt_tokens, generated, cached))
         except Exception as e:  # noqa: BLE001 - the stream ends with an error chunk, then [DONE]
             yield stream_error_chunk(e)
         yield SSE_DONE

@@ -120,19 +120,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs(ro)
                 choices.append(choice)
-        body = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "system_fingerprint": self.system_fingerprint, "choices": choices,
-                "usage": usage_body(prompt_tokens, generated, cached)}
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.response_model(request.model), "system_fingerprint": self.system_fingerprint,
+                "choices": choices, "usage": usage_body(prompt_tokens, generated, cached)}
         if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's answer (PD)
             body["kv_transfer_params"] = finals[0].kv_transfer_params
         return body
 
     # ------------------------------------------------------------------ streamed
 
-    def _chunk(self, request_id: str, created: int, choices: list[JsonObject],
+    def _chunk(self, request_id: str, model: str, created: int, choices: list[JsonObject],
                usage: JsonObject | None, with_usage_key: bool) -> str:
         body: JsonObject = {"id": request_id, "object": "text_completion", "created": created,
-                                "model": self.model_name, "system_fingerprint": self.system_fingerprint,
+                                "model": model, "system_fingerprint": self.system_fingerprint,
                                 "choices": choices}
         if usage is not None or with_usage_key:
             body["usage"] = usage
@@ -141,6 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, gens: list[AsyncIterator[RequestOutput]],
                       prompt_texts: list[str], request_id: str, created: int) -> AsyncIterator[str]:
         n = request.n or 1
+        model = self.response_model(request.model)
         total = n * len(gens)
         sent_text = [0] * total
         sent_tokens = [0] * total
@@ -180,10 +181,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     sent_text[k] = len(o.text)
                     sent_tokens[k] = len(o.token_ids)
                     done[k] = o.finish_reason is not None
-                    yield self._chunk(request_id, created, [choice], usage_now() if continuous else None,
+                    yield self._chunk(request_id, model, created, [choice], usage_now() if continuous else None,
                                       include_usage)
             if include_usage:
-                yield self._chunk(request_id, created, [], usage_now(), True)
+                yield self._chunk(request_id, model, created, [], usage_now(), True)
         except Exception as e:  # noqa: BLE001
             yield stream_error_chunk(e)
         yield SSE_DONE

@@ -47,6 +47,12 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name for a request that names a LoRA adapter (as vLLM
+        answers, so a client can tell which fine-tune spoke), else the first served name."""
+        lora = self.lora_for(model)
+        return lora.lora_name if lora is not None else self.model_name
+
     @property
     def tokenizer(self) -> Tokenizer:
         assert self.engine.tokenizer is not None, "the engine is not started"

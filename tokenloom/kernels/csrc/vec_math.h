@@ -1,5 +1,5 @@
 // Small SIMD helpers shared by the fused kernels (attention, norms, rotary, activation): one float
-// vector type per ISA (AVX512: 16 lanes, AVX2: 8), bfloat16 <-> float32, and a vector exp.
+// vector type per ISA (AVX512: 16 lanes, AVX2: 8), bfloat16 <-> float32, float16 -> float32, and a vector exp.
 //
 // exp: Cody-Waite range reduction (x = n*ln2 + r) and a degree-6 polynomial for e^r (the Cephes
 // coefficients), within 2 ulp of expf over the float range; below -87.3 it returns 0. Used by softmax
@@ -37,6 +37,10 @@ inline vf vload_bf16(const uint16_t* p) {
 // VL int8 values -> float32 (exact).
 inline vf vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// VL float16 values -> float32.
+inline vf vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline vf vexp(vf x) {
   const vf lo = vset1(-87.3365447505f);
@@ -88,6 +92,7 @@ inline vf vload_bf16(const uint16_t* p) {
 inline vf vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf vexp(vf x) {
   const vf lo = vset1(-87.3365447505f);
   vf xc = _mm256_max_ps(_mm256_min_ps(x, vset1(88.3762626647949f)), lo);

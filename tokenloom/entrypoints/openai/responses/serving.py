@@ -55,6 +55,7 @@ class Turn:
     created_at: int
     prompt_text: str
     conversation: list[JsonObject]  # the chain's input items and this request's
+    model: str  # the name the response reports: the adapter's for an adapter request
 
 
 def sse_event(event: JsonObject) -> str:
@@ -112,7 +113,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         except APIError as e:
             raise in_responses_terms(e) from None
         conversation = history + [item.model_dump(exclude_none=True) for item in new_items]
-        turn = Turn(request, chat_request, response_id, int(time.time()), text, conversation)
+        turn = Turn(request, chat_request, response_id, int(time.time()), text, conversation,
+                    self.response_model(chat_request.model))
         if request.stream:
             return DisconnectAwareStreamingResponse(self._stream(turn, gen), media_type="text/event-stream",
                                                     headers={"Cache-Control": "no-cache"},
@@ -132,7 +134,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 reasoning_tokens += len(encode_text(self.tokenizer, str(part["text"]), add_special_tokens=False))
         counts = usage(len(final.prompt_token_ids), completion_tokens(final), final.num_cached_tokens,
                        reasoning_tokens) if final is not None else None
-        body = response_object(turn.request, turn.response_id, self.model_name, turn.created_at, status, items, counts)
+        body = response_object(turn.request, turn.response_id, turn.model, turn.created_at, status, items, counts)
         body["completed_at"] = int(time.time())
         if turn.request.store:
             self.store.put(body, turn.conversation + items)
@@ -148,7 +150,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def _stream(self, turn: Turn, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         events = ResponseEvents()
-        for event in events.start(response_object(turn.request, turn.response_id, self.model_name, turn.created_at,
+        for event in events.start(response_object(turn.request, turn.response_id, turn.model, turn.created_at,
                                                   "in_progress", [])):
             yield sse_event(event)
         parser = ChatOutputParser(turn.chat_request, self.engine.config, turn.prompt_text)
@@ -167,7 +169,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             err = engine_error_to_api_error(e)
             for event in events.finish("incomplete"):
                 yield sse_event(event)
-            failed = response_object(turn.request, turn.response_id, self.model_name, turn.created_at, "failed",
+            failed = response_object(turn.request, turn.response_id, turn.model, turn.created_at, "failed",
                                      events.items, error={"code": "server_error", "message": err.message})
             for event in events.end(failed):
                 yield sse_event(event)
