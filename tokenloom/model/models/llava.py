@@ -21,9 +21,10 @@ from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.module import InferenceModule
-from tokenloom.model.models.clip_vision import CLIPVisionTower, activation
 from tokenloom.model.models.llama import LlamaForCausalLM
 from tokenloom.model.models.registry import register
+from tokenloom.model.models.vision.activations import activation
+from tokenloom.model.models.vision.clip_vision import CLIPVisionTower
 from tokenloom.model.stack_spec import NativeStackSpec
 from tokenloom.multimodal.llava_config import LlavaConfig
 

@@ -19,10 +19,10 @@ from tokenloom.config import ConfigError
 from tokenloom.kernels import layer_ops
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.models.vision.qwen2_5_vl_grid import GridInput, grids_of
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 
-class ImagePlaceholderError(VisionInputError):
+class ImagePlaceholderError(ImageInputError):
     """A prompt's image placeholder tokens do not match the images given with it."""
 
 

@@ -28,7 +28,7 @@ from tokenloom.model.models.vision.qwen2_5_vl_grid import (
     patch_positions,
     window_layout,
 )
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 # The norms' epsilon: fixed in the reference implementation, absent from the config.
 VISION_NORM_EPS = 1e-6
@@ -151,16 +151,16 @@ class Qwen2_5_VisionTower(InferenceModule):
         cfg = self.config
         grids = grids_of(image_grid_thw)
         if not grids:
-            raise VisionInputError("no images to encode")
+            raise ImageInputError("no images to encode")
         if pixel_values.dim() != 2 or pixel_values.shape[1] != cfg.patch_pixels:
-            raise VisionInputError(f"pixel_values must be [patches, {cfg.patch_pixels}], "
+            raise ImageInputError(f"pixel_values must be [patches, {cfg.patch_pixels}], "
                                    f"got {list(pixel_values.shape)}")
         bad = [g for g in grids if min(g) <= 0 or g[1] % cfg.spatial_merge_size or g[2] % cfg.spatial_merge_size]
         if bad:
-            raise VisionInputError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
+            raise ImageInputError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
                                    f"{cfg.spatial_merge_size}")
         if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
-            raise VisionInputError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
+            raise ImageInputError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
                                    f"pixel_values has {pixel_values.shape[0]}")
         return grids
 
