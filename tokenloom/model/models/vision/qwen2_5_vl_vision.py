@@ -52,9 +52,15 @@ class Qwen2_5_VisionRotary(InferenceModule):
 
     def __init__(self, config: Qwen2_5_VLVisionConfig):
         super().__init__()
-        axis_dim = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, axis_dim, 2, dtype=torch.float) / axis_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        axis_dim = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, axis_dim, 2, dtype=torch.float, device=device) / axis_dim))
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        self.inv_freq = self._inv_freq(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [rows, 2] -> cos, sin: [rows, head_dim / 2], the row's angles then the column's (the
