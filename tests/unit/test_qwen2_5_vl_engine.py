@@ -154,3 +154,26 @@ def test_more_images_than_placeholders_is_refused(qwen_vl):
     images = [helpers.tiny_image(60, 90, seed=11)] * 2
     with pytest.raises(ImageInputError, match="1 image placeholder"):
         llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+
+
+@pytest.mark.tp
+def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_qwen2_5_vl):
+    folder, hf = tiny_qwen2_5_vl
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              tensor_parallel_size=2)
+    try:
+        images = [helpers.tiny_image(60, 90, seed=12), helpers.tiny_image(120, 64, seed=13)]
+        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    finally:
+        llm.shutdown()
+
+
+def test_ngram_speculative_decoding_after_an_image_equals_transformers(tiny_qwen2_5_vl):
+    folder, hf = tiny_qwen2_5_vl
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    try:
+        image = helpers.tiny_image(56, 224, seed=14)
+        assert _ours(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
+    finally:
+        llm.shutdown()
