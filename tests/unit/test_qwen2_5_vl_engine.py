@@ -177,3 +177,15 @@ def test_ngram_speculative_decoding_after_an_image_equals_transformers(tiny_qwen
         assert _ours(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
     finally:
         llm.shutdown()
+
+
+def test_an_image_larger_than_the_encoder_cache_is_refused_naming_its_rows(tiny_qwen2_5_vl):
+    folder, _ = tiny_qwen2_5_vl
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              max_encoder_cache=10)
+    try:
+        images = [helpers.tiny_image(60, 90, seed=15), helpers.tiny_image(112, 112, seed=16)]  # 6 and 16 rows
+        with pytest.raises(ImageInputError, match="takes 16 encoder rows; the encoder cache holds 10"):
+            llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
