@@ -3,6 +3,7 @@ prompt (M-RoPE positions in the prompt, `index + delta` while decoding), prompt 
 chunked prefill across an image, text-only prompts on the plain path, and both checkpoint layouts."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -187,5 +188,29 @@ def test_an_image_larger_than_the_encoder_cache_is_refused_naming_its_rows(tiny_
         images = [helpers.tiny_image(60, 90, seed=15), helpers.tiny_image(112, 112, seed=16)]  # 6 and 16 rows
         with pytest.raises(ImageInputError, match="takes 16 encoder rows; the encoder cache holds 10"):
             llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_the_released_config_layout_loads_the_same_model(tiny_qwen2_5_vl, tmp_path):
+    """The released config.json states the text model's fields at the top level, M-RoPE as
+    rope_scaling {"type": "mrope"} and the tower's channels as in_chans."""
+    folder, hf = tiny_qwen2_5_vl
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    text = saved.pop("text_config")
+    rope = text.pop("rope_parameters")
+    vision = saved["vision_config"]
+    vision["in_chans"] = vision.pop("in_channels")
+    released = {**saved, **text, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+                "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(released, f)
+    llm = LLM(str(tmp_path), progress=False, dtype="float32", device="cpu", log_stats_interval=0,
+              kv_cache_memory=0.05)
+    try:
+        image = helpers.tiny_image(60, 90, seed=17)
+        assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
