@@ -214,3 +214,14 @@ def test_the_released_config_layout_loads_the_same_model(tiny_qwen2_5_vl, tmp_pa
         assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
+
+
+def test_a_prefix_cache_hit_past_an_image_keeps_transformers_greedy_output(qwen_vl):
+    llm, hf = qwen_vl
+    llm.engine.reset_prefix_cache()
+    prompt = ONE_IMAGE + " tell me more about it please ."
+    image = helpers.tiny_image(56, 224, seed=18)
+    first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, _greedy(), use_tqdm=False)[0]
+    again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, _greedy(), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    assert list(again.outputs[0].token_ids) == _hf_greedy(llm, hf, prompt, [image])
