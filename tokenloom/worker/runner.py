@@ -23,7 +23,7 @@ from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.host_copy import to_host
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
-from tokenloom.model.models.vision.mrope import MRopeModel
+from tokenloom.model.models.vision.mrope import takes_mrope
 from tokenloom.model.native_stack import StackLoRA
 from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
@@ -153,8 +153,9 @@ class ModelRunner:
 
     def _set_prompt_rope(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """An M-RoPE model's positions for each new prompt with images (text-only prompts need none)."""
-        for r, _ in scheduled:
-            if r.images and r.rope is None and isinstance(self.model, MRopeModel):
+        pending = [r for r, _ in scheduled if r.images and r.rope is None]
+        if pending and takes_mrope(type(self.model)):
+            for r in pending:
                 r.rope = self.model.prompt_rope(r.prompt_token_ids, r.images)
 
     def _check_vocabulary(self, ids: list[int]) -> None:

@@ -11,6 +11,7 @@ images (videos, whose time axis advances by `tokens_per_second`, are not handled
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -97,6 +98,12 @@ class MRopeModel(Protocol):
     """A model whose prompts with images take M-RoPE positions (the runner asks it once per such prompt)."""
 
     def prompt_rope(self, token_ids: list[int], images: list[ImageInput]) -> PromptRope: ...
+
+
+@functools.cache
+def takes_mrope(model_class: type) -> bool:
+    """Whether a model class is an `MRopeModel` (a Protocol check costs ~10 us: once per class)."""
+    return issubclass(model_class, MRopeModel)
 
 
 class MRotaryEmbedding(InferenceModule):
