@@ -176,3 +176,10 @@ def tiny_llava(tmp_path_factory):
     """(folder, hf_model): a tiny random LLaVA saved with its tokenizer, image processor and chat template."""
     folder = str(tmp_path_factory.mktemp("tiny_llava"))
     return folder, helpers.build_tiny_llava(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory):
+    """(folder, hf_model): a tiny random Qwen2.5-VL saved with its tokenizer, image processor and chat template."""
+    folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+    return folder, helpers.build_tiny_qwen2_5_vl(folder)

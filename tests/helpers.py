@@ -488,3 +488,62 @@ def image_data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random Qwen2.5-VL: its vision tower (14-pixel patches merged 2 x 2, 56-pixel windows), a tiny Qwen2 text
+# model with M-RoPE, a word-level tokenizer with the vision tokens, Qwen2-VL's image processor config and a chat
+# template that writes <|vision_start|><|image_pad|><|vision_end|> for each image
+# ---------------------------------------------------------------------------------------------
+TINY_QWEN_VL_VISION_START, TINY_QWEN_VL_IMAGE_PAD, TINY_QWEN_VL_VISION_END = 509, 510, 511
+TINY_QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+TINY_QWEN_VL_TEMPLATE = TINY_LLAVA_TEMPLATE.replace("<image> ", TINY_QWEN_VL_IMAGE + " ")
+TINY_QWEN_VL_MIN_PIXELS, TINY_QWEN_VL_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+
+
+def build_tiny_qwen2_5_vl(folder: str, seed: int = 0):
+    """A tiny random transformers Qwen2_5_VLForConditionalGeneration saved to `folder` with its tokenizer, image
+    processor config and chat template; returns the model (float32, eval mode), the reference."""
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = {**TINY_COMMON, "num_key_value_heads": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=56,
+                  fullatt_block_indexes=[1])
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=TINY_QWEN_VL_IMAGE_PAD,
+        vision_start_token_id=TINY_QWEN_VL_VISION_START, vision_end_token_id=TINY_QWEN_VL_VISION_END,
+        video_token_id=TINY_QWEN_VL_VISION_START - 1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in TINY_LLAVA_WORDS:
+        vocab.setdefault(word, len(vocab))
+    while len(vocab) < TINY_QWEN_VL_VISION_START:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == TINY_QWEN_VL_IMAGE_PAD
+    tokenizer.chat_template = TINY_QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=TINY_QWEN_VL_MIN_PIXELS,
+                             max_pixels=TINY_QWEN_VL_MAX_PIXELS).save_pretrained(folder)
+    return model

@@ -147,3 +147,25 @@ def test_an_image_for_a_text_only_model_is_a_400():
         _assert_400(_chat(s, [_data_url(_png(helpers.tiny_image(40, 30)))]), "text-only")
     finally:
         s.kill()
+
+
+def test_qwen2_5_vl_serves_two_images_of_different_sizes_with_transformers_greedy_output(tiny_qwen2_5_vl):
+    folder, hf = tiny_qwen2_5_vl
+    images = [helpers.tiny_image(60, 90, seed=7), helpers.tiny_image(120, 64, seed=8)]
+    prompt = "USER: " + f"{helpers.TINY_QWEN_VL_IMAGE} " * 2 + "what is in this picture ? ASSISTANT:"
+    processor = ImageProcessor.for_model(folder, MultiModalConfig())
+    ids, inputs = processor.prepare(Tokenizer.from_model_path(folder).encode(prompt, add_special_tokens=False), images)
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
+                           mm_token_type_ids=(ids_t == helpers.TINY_QWEN_VL_IMAGE_PAD).int(),
+                           pixel_values=torch.cat([torch.from_numpy(np.frombuffer(i.pixel_values, np.float32)
+                                                                    .reshape(i.shape).copy()) for i in inputs]),
+                           image_grid_thw=torch.tensor([i.grid_thw for i in inputs]),
+                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    s = ServerProcess(model=folder, base_args=LIGHT)
+    try:
+        out = _chat(s, [_data_url(_png(im)) for im in images])
+    finally:
+        s.kill()
+    assert out["choices"][0]["token_ids"] == want[0, len(ids):].tolist()

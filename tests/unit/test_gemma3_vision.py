@@ -13,9 +13,9 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3Model
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from tokenloom.config import ConfigError
-from tokenloom.model.models.vision.gemma3_preprocess import SiglipPreprocessConfig, preprocess_images
 from tokenloom.model.models.vision.gemma3_vision import Gemma3VisionConfig, Gemma3VisionEncoder
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.gemma3_preprocess import SiglipPreprocessConfig, preprocess_images
 
 # 56 / 7 = an 8x8 patch grid pooled 2x2 to 16 tokens (the released 896 / 14 = 64x64 pools 4x4 to 256).
 TINY = dict(
@@ -73,7 +73,7 @@ def test_parameter_names_are_the_released_checkpoints(encoders):
 
 def test_pixels_of_the_wrong_size_are_refused(encoders):
     _, ours = encoders
-    with pytest.raises(VisionInputError, match="3, 56, 56"):
+    with pytest.raises(ImageInputError, match="3, 56, 56"):
         ours.encode(torch.zeros(1, 3, 64, 56))
 
 

@@ -96,12 +96,12 @@ def test_different_images_hash_differently():
     assert image_content_hash(a) != image_content_hash(b)
 
 
-def test_each_placeholder_expands_to_the_images_token_count():
-    ids, offsets = expand_placeholders([5, 9, 6, 9, 7], placeholder=9, num_images=2, tokens_per_image=3)
-    assert ids == [5, 9, 9, 9, 6, 9, 9, 9, 7]
+def test_each_placeholder_expands_to_its_images_token_count():
+    ids, offsets = expand_placeholders([5, 9, 6, 9, 7], placeholder=9, lengths=[3, 2])
+    assert ids == [5, 9, 9, 9, 6, 9, 9, 7]
     assert offsets == [1, 5]
 
 
 def test_a_prompt_with_fewer_placeholders_than_images_is_refused():
     with pytest.raises(ImageInputError, match="1 image placeholder"):
-        expand_placeholders([5, 9, 6], placeholder=9, num_images=2, tokens_per_image=3)
+        expand_placeholders([5, 9, 6], placeholder=9, lengths=[3, 3])

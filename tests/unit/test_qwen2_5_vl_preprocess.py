@@ -9,7 +9,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from tokenloom.model.models.vision.qwen2_5_vl_preprocess import (
+from tokenloom.multimodal.qwen2_5_vl_preprocess import (
     ImageSizeError,
     Qwen2VLPreprocessConfig,
     preprocess_images,

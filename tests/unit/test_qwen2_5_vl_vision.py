@@ -14,7 +14,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from tokenloom.config import ConfigError
 from tokenloom.model.models.vision.qwen2_5_vl_config import Qwen2_5_VLVisionConfig
 from tokenloom.model.models.vision.qwen2_5_vl_vision import Qwen2_5_VisionTower
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 # A window of 56 pixels is 2x2 merged tokens, so grids of 4+ merged tokens per side hold several windows.
 TINY_VISION = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
@@ -78,13 +78,13 @@ def test_each_image_gets_its_own_tensor_of_merged_tokens_given_the_processors_nu
 
 def test_pixel_rows_that_disagree_with_the_grid_are_refused(towers):
     _, ours = towers
-    with pytest.raises(VisionInputError, match="describes 16 patches"):
+    with pytest.raises(ImageInputError, match="describes 16 patches"):
         ours.encode(_random_patches([(1, 4, 2)]), [(1, 4, 4)])
 
 
 def test_a_grid_that_is_not_a_multiple_of_the_merge_size_is_refused(towers):
     _, ours = towers
-    with pytest.raises(VisionInputError, match="merge size"):
+    with pytest.raises(ImageInputError, match="merge size"):
         ours.encode(_random_patches([(1, 3, 4)]), [(1, 3, 4)])
 
 
@@ -95,7 +95,7 @@ def test_a_window_that_does_not_tile_merged_patches_is_a_config_error():
 
 def test_a_call_without_images_is_refused(towers):
     _, ours = towers
-    with pytest.raises(VisionInputError, match="no images"):
+    with pytest.raises(ImageInputError, match="no images"):
         ours.encode(_random_patches([]), [])
 
 

@@ -15,9 +15,10 @@ class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
 
     content_hash: str  # sha256 hex of the preprocessed pixels and their shape
     pixel_values: bytes  # float32, C-contiguous, `shape`
-    shape: list[int]  # [channels, height, width]
+    shape: list[int]  # [channels, height, width]; Qwen2.5-VL: [patches, values per patch]
     offset: int
     length: int
+    grid_thw: list[int] = []  # Qwen2.5-VL: the patch grid (frames, rows, columns); empty for fixed-size towers
 
     @property
     def end(self) -> int:

@@ -86,8 +86,9 @@ class InputProcessor:
             return ids, []
         ids, inputs = self.image_processor.prepare(ids, images)
         cache = self.config.multimodal.max_encoder_cache
-        if any(im.length > cache for im in inputs):
-            raise ImageInputError(f"an image takes {inputs[0].length} encoder rows; the encoder cache holds "
+        largest = max((im.length for im in inputs), default=0)
+        if largest > cache:
+            raise ImageInputError(f"an image takes {largest} encoder rows; the encoder cache holds "
                                   f"{cache} (--max-encoder-cache)")
         return ids, inputs
 

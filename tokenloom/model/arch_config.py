@@ -20,8 +20,9 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Vision-language models: their text model is one of these (config.json's text_config.model_type).
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-MULTIMODAL_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+MULTIMODAL_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults (Llama 2 7B), for a text_config that states only what differs.
 LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
@@ -243,6 +244,8 @@ def _text_config(cfg: JsonObject, arch: str) -> JsonObject:
     """A vision-language config's text model as a config.json of its own. A LLaVA config.json often states
     only the fields its text model changes from LlamaConfig's defaults (llava-1.5-7b-hf: vocab size,
     context, norm eps), so those defaults fill the rest."""
+    if arch == "Qwen2_5_VLForConditionalGeneration":
+        return _qwen2_5_vl_text_config(cfg)
     text = cfg.get("text_config") or {}
     kind = text.get("model_type", "llama")
     if kind not in MULTIMODAL_TEXT_MODELS:
@@ -252,6 +255,33 @@ def _text_config(cfg: JsonObject, arch: str) -> JsonObject:
     if "tie_word_embeddings" in cfg:
         merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return merged
+
+
+def _qwen2_5_vl_text_config(cfg: JsonObject) -> JsonObject:
+    """Qwen2.5-VL's text model as a Qwen2 config.json. The released files state its fields at the top level,
+    a transformers 5 save under text_config. Its rotary is M-RoPE (`rope_scaling` type "mrope", or
+    transformers 5's `mrope_section` in rope_parameters): the model reads the sections from the whole config,
+    and the plain rotary it falls back to for text positions has no scaling."""
+    text = cfg.get("text_config") or cfg
+    merged = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    merged["rope_theta"] = text.get("rope_theta", rope.get("rope_theta", 1000000.0))
+    merged["architectures"] = ["Qwen2ForCausalLM"]
+    if "tie_word_embeddings" in cfg:
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
+
+
+def mrope_section(cfg: JsonObject) -> list[int]:
+    """The rotary frequency pairs each position stream (time, row, column) turns, from a Qwen2.5-VL
+    config.json (released: top-level `rope_scaling`; transformers 5: text_config's `rope_parameters`)."""
+    text = cfg.get("text_config") or cfg
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or cfg.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not isinstance(section, list) or len(section) != 3 or not all(isinstance(v, int) for v in section):
+        raise CorruptModelError(f"config.json: Qwen2.5-VL's rope mrope_section must be three integers (got "
+                                f"{section!r})")
+    return section
 
 
 def _hf_moe(cfg: JsonObject, arch: str) -> JsonObject:

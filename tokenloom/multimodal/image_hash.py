@@ -10,8 +10,10 @@ import hashlib
 import numpy as np
 
 
-def image_content_hash(pixels: np.ndarray) -> str:
+def image_content_hash(pixels: np.ndarray, grid_thw: tuple[int, ...] = ()) -> str:
+    """`grid_thw`: the patch grid of pixels listed as patches (Qwen2.5-VL), which the shape alone does not
+    pin down (a 4 x 8 and an 8 x 4 grid both list 32 patches)."""
     h = hashlib.sha256()
-    h.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
+    h.update(np.asarray((*pixels.shape, *grid_thw), dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(pixels, dtype=np.float32).tobytes())
     return h.hexdigest()

@@ -1,31 +1,48 @@
 """A multimodal model's frontend half: how its prompts take images.
 
 `ImageProcessor.for_model` reads the model folder's config.json and preprocessor_config.json (None for a
-model that reads no images); `prepare` turns a tokenized prompt and its decoded images into the prompt with
-each placeholder expanded and one `ImageInput` per image, ready for the engine.
+model that reads no images) and picks the family (`FAMILIES`, by config.json's architecture) whose placeholders
+and preprocessing its prompts use; `prepare` turns a tokenized prompt and its decoded images into the prompt
+with each placeholder expanded and one `ImageInput` per image, ready for the engine.
 """
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from typing import Protocol
 
 from PIL import Image
 
 from tokenloom.config import ConfigError, MultiModalConfig
 from tokenloom.core.json_types import JsonObject
 from tokenloom.core.multimodal import ImageInput
-from tokenloom.multimodal.clip_preprocess import CLIPPreprocessConfig, clip_preprocess
 from tokenloom.multimodal.errors import ImageInputError
-from tokenloom.multimodal.image_decode import ImageLimits, decode_image, rgb
-from tokenloom.multimodal.image_hash import image_content_hash
-from tokenloom.multimodal.llava_config import LLAVA_ARCHITECTURES, LlavaConfig
-from tokenloom.multimodal.placeholders import expand_placeholders
+from tokenloom.multimodal.image_decode import ImageLimits, decode_image
+from tokenloom.multimodal.llava_images import LlavaImages
+from tokenloom.multimodal.qwen2_5_vl_images import Qwen2_5_VLImages
+
+
+class ModelImages(Protocol):
+    """One model family's side of a prompt's images: its placeholder token, and how a prompt and its images
+    become the expanded prompt and the engine's ImageInputs (a blocking call: preprocessing)."""
+
+    @property
+    def placeholder_token_id(self) -> int: ...
+
+    def inputs(self, token_ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[ImageInput]]: ...
+
+
+# config.json's architecture -> its family, built from config.json and preprocessor_config.json.
+FAMILIES: dict[str, Callable[[JsonObject, JsonObject], ModelImages]] = {
+    "LlavaForConditionalGeneration": LlavaImages.from_configs,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLImages.from_configs,
+}
 
 
 class ImageProcessor:
-    def __init__(self, llava: LlavaConfig, preprocess: CLIPPreprocessConfig, config: MultiModalConfig):
-        self.llava = llava
-        self.preprocess = preprocess
+    def __init__(self, family: ModelImages, config: MultiModalConfig):
+        self.family = family
         self.config = config
         self.limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
 
@@ -35,21 +52,17 @@ class ImageProcessor:
         if path is None or not os.path.isdir(path):
             return None
         model_config = _read_json(os.path.join(path, "config.json"))
-        if (model_config.get("architectures") or [None])[0] not in LLAVA_ARCHITECTURES:
+        family = FAMILIES.get((model_config.get("architectures") or [None])[0])
+        if family is None:
             return None
         preprocessor = os.path.join(path, "preprocessor_config.json")
         if not os.path.isfile(preprocessor):
-            raise ConfigError(f"{path}: a LLaVA model folder needs its preprocessor_config.json")
-        return cls(LlavaConfig.from_hf(model_config), CLIPPreprocessConfig.from_json(_read_json(preprocessor)),
-                   config)
+            raise ConfigError(f"{path}: a vision-language model folder needs its preprocessor_config.json")
+        return cls(family(model_config, _read_json(preprocessor)), config)
 
     @property
     def placeholder_token_id(self) -> int:
-        return self.llava.image_token_index
-
-    @property
-    def tokens_per_image(self) -> int:
-        return self.llava.num_image_tokens
+        return self.family.placeholder_token_id
 
     def decode(self, data: bytes) -> Image.Image:
         """An image sent as bytes, decoded within the configured limits (a blocking call: run it off the
@@ -69,13 +82,7 @@ class ImageProcessor:
             if image.width * image.height > self.limits.max_pixels:
                 raise ImageInputError(f"the image is {image.width}x{image.height} pixels; the limit is "
                                       f"{self.limits.max_pixels} pixels")
-        ids, offsets = expand_placeholders(token_ids, self.placeholder_token_id, len(images), self.tokens_per_image)
-        inputs = []
-        for image, offset in zip(images, offsets):
-            pixels = clip_preprocess(rgb(image), self.preprocess)
-            inputs.append(ImageInput(content_hash=image_content_hash(pixels), pixel_values=pixels.tobytes(),
-                                     shape=list(pixels.shape), offset=offset, length=self.tokens_per_image))
-        return ids, inputs
+        return self.family.inputs(token_ids, images)
 
 
 def _read_json(path: str) -> JsonObject:

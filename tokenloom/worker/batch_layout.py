@@ -20,11 +20,13 @@ from tokenloom.worker.request_state import RequestState
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """One sequence's tokens in a forward: `tokens` at positions start, start + 1, ... through `block_ids`."""
+    """One sequence's tokens in a forward: `tokens` at indices start, start + 1, ... through `block_ids`, at
+    those positions unless `positions` ([3, tokens], an M-RoPE prompt with images) gives them."""
 
     tokens: list[int]
     start: int
     block_ids: list[int]
+    positions: torch.Tensor | None = None
 
 
 def attention_order(chunks: list[SequenceChunk]) -> list[int]:
@@ -39,6 +41,8 @@ class BatchLayout:
     slot_mapping: list[int] = field(default_factory=list)
     spans: list[ScheduledSpan] = field(default_factory=list)  # one per chunk, in flat order
     order: list[int] = field(default_factory=list)  # spans[k] is chunk order[k]
+    # M-RoPE rows whose three position streams differ (image tokens): (first row, [3, rows] positions).
+    stream_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int) -> BatchLayout:
@@ -52,8 +56,13 @@ class BatchLayout:
         start, table = chunk.start, chunk.block_ids
         end = start + len(chunk.tokens)
         self.spans.append(ScheduledSpan(len(self.input_ids), start, len(chunk.tokens), table))
+        if chunk.positions is None:
+            self.positions.extend(range(start, end))
+        else:
+            self.positions.extend(chunk.positions[0].tolist())
+            if not bool((chunk.positions == chunk.positions[0]).all()):
+                self.stream_rows.append((len(self.input_ids), chunk.positions))
         self.input_ids.extend(chunk.tokens)
-        self.positions.extend(range(start, end))
         self.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
 
     def last_rows(self) -> list[int]:
@@ -75,8 +84,14 @@ class BatchLayout:
         return rows
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input ids and positions on the device."""
-        return tensor_on(self.input_ids, torch.long, device), tensor_on(self.positions, torch.long, device)
+        """The input ids and positions on the device: positions [T], or [3, T] when some rows' three M-RoPE
+        streams differ (a forward over image tokens)."""
+        positions = tensor_on(self.positions, torch.long, device)
+        if self.stream_rows:
+            positions = positions.expand(3, -1).clone()
+            for first, streams in self.stream_rows:
+                positions[:, first:first + streams.shape[1]] = streams.to(device)
+        return tensor_on(self.input_ids, torch.long, device), positions
 
 
 class LogitRow(NamedTuple):
@@ -102,7 +117,8 @@ def step_layout(scheduled: list[tuple[RequestState, int]], spec_token_ids: dict[
         drafts = spec_token_ids.get(r.key)
         # A verify span: the last token and the drafts, causal like a short prefill chunk.
         tokens = r.token_ids[start:] + drafts if drafts else r.token_ids[start:start + n]
-        chunks.append(SequenceChunk(tokens, start, r.block_ids))
+        positions = None if r.rope is None else r.rope.streams(start, start + len(tokens))
+        chunks.append(SequenceChunk(tokens, start, r.block_ids, positions))
     batch = BatchLayout.build(chunks, block_size)
     logit_rows: list[LogitRow] = []
     pool_spans: list[tuple[str, int, int]] = []

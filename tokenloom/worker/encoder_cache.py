@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tokenloom.core.multimodal import ImageInput
@@ -40,8 +39,8 @@ class EncoderCache:
 
     def step_image_rows(self, model: torch.nn.Module, batch: BatchLayout,
                         scheduled: list[tuple[RequestState, int]]) -> list[ImageRows]:
-        """The encoder rows this step's placeholder tokens take, encoding the images not yet cached (those of
-        one pixel shape in one batch)."""
+        """The encoder rows this step's placeholder tokens take, encoding the images not yet cached (in one
+        call of the model's `encode_images`, which batches them as its tower can)."""
         spans = []
         for i, span in zip(batch.order, batch.spans):
             state, _ = scheduled[i]
@@ -57,19 +56,14 @@ class EncoderCache:
         return out
 
     def _encode(self, model: torch.nn.Module, images: list[ImageInput]) -> None:
-        unique = {im.content_hash: im for im in images}
-        by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
-        for im in unique.values():
-            by_shape.setdefault(tuple(im.shape), []).append(im)
-        for shape, group in by_shape.items():
-            pixels = torch.stack([torch.from_numpy(np.frombuffer(im.pixel_values, np.float32).reshape(shape).copy())
-                                  for im in group]).to(self.device)
-            encoded = model.encode(pixels)
-            for im, rows in zip(group, encoded):
-                if rows.shape[0] != im.length:
-                    raise ValueError(f"the image encodes to {rows.shape[0]} rows but its prompt holds "
-                                     f"{im.length} placeholders")
-                self.rows[im.content_hash] = rows
+        unique = list({im.content_hash: im for im in images}.values())
+        if not unique:
+            return
+        for im, rows in zip(unique, model.encode_images(unique, self.device)):
+            if rows.shape[0] != im.length:
+                raise ValueError(f"the image encodes to {rows.shape[0]} rows but its prompt holds "
+                                 f"{im.length} placeholders")
+            self.rows[im.content_hash] = rows
 
 
 def embeddings_with_images(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageRows]) -> torch.Tensor:

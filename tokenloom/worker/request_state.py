@@ -16,6 +16,7 @@ import torch
 from tokenloom.core.contract import CachedRequestData, ForkData, ForkedSequence, NewRequestData
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.model.models.vision.mrope import PromptRope
 
 # Child c of a seeded request draws from seed + CHILD_SEED_STRIDE * c, so siblings differ.
 CHILD_SEED_STRIDE = 1_000_003
@@ -37,6 +38,7 @@ class RequestState:
     index: int = 0  # the sequence's place among its request's (a fork's child: ForkedSequence.index)
     lora_int_id: int = 0  # its LoRA adapter (0: the base model)
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for a (re)computed prefill
+    rope: PromptRope | None = None  # an M-RoPE model's positions of a prompt with images (the runner sets it)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RequestState":
@@ -92,7 +94,7 @@ class RequestState:
         return RequestState(forked.key, self.request_id, self.params, self.prompt_token_ids, list(self.token_ids),
                             list(forked.block_ids), forked.num_computed_tokens, self.eos_token_ids,
                             self.bad_words_token_ids, [self.generators[forked.index]], forked.index,
-                            self.lora_int_id, self.images)
+                            self.lora_int_id, self.images, self.rope)
 
 
 def apply_forks(states: dict[str, RequestState], forks: list[ForkData]) -> None:

@@ -23,6 +23,7 @@ from tokenloom.lora.slots import LoRASlots
 from tokenloom.model.host_copy import to_host
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.logits_processor import LogitsProcessor
+from tokenloom.model.models.vision.mrope import takes_mrope
 from tokenloom.model.native_stack import StackLoRA
 from tokenloom.model.pooler import pool
 from tokenloom.model.sampler import Sampler, compute_prompt_logprobs
@@ -122,6 +123,7 @@ class ModelRunner:
             return ModelRunnerOutput() if tp_group().is_first else None
         scheduled = [(self.requests[k], n) for k, n in step.num_scheduled_tokens.items()]
         with PROFILER.section("prepare_inputs"):
+            self._set_prompt_rope(scheduled)
             layout = step_layout(scheduled, step.spec_token_ids, self.block_size)
             self._check_vocabulary(layout.batch.input_ids)
             logit_rows = layout.logit_rows
@@ -148,6 +150,13 @@ class ModelRunner:
                 out.draft_token_ids = self.drafter.propose([(self.requests[key], seqs[0].token_ids)
                                                             for key, seqs in out.sampled.items() if key not in forking])
         return out
+
+    def _set_prompt_rope(self, scheduled: list[tuple[RequestState, int]]) -> None:
+        """An M-RoPE model's positions for each new prompt with images (text-only prompts need none)."""
+        pending = [r for r, _ in scheduled if r.images and r.rope is None]
+        if pending and takes_mrope(type(self.model)):
+            for r in pending:
+                r.rope = self.model.prompt_rope(r.prompt_token_ids, r.images)
 
     def _check_vocabulary(self, ids: list[int]) -> None:
         vocab_size = self.model.config.vocab_size

@@ -13,6 +13,7 @@ unchanged.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -20,3 +21,7 @@ class InferenceModule(nn.Module):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.__call__ = cls.forward
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Recompute the buffers computed at construction (frequency tables) on `device`: the loader builds
+        the model on the meta device, where they hold no values. Modules without such buffers do nothing."""

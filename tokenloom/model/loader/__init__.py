@@ -18,6 +18,7 @@ from tokenloom.model.huge_pages import move_panels_to_huge_pages
 from tokenloom.model.layers import quantized_linear
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.attention_select import standalone_attention_backend
+from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.loader import panel_cache, weight_cache
 from tokenloom.model.loader.memory_fit import check_fits
 from tokenloom.model.loader.safetensors_loader import HFModelFolder
@@ -196,7 +197,7 @@ def _materialize(net: torch.nn.Module, device: torch.device) -> None:
 
 
 def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
-    """Buffers (rotary tables) are computed, not loaded: rebuild them on the real device."""
+    """Buffers (rotary tables, frequencies) are computed, not loaded: rebuild them on the real device."""
     from tokenloom.model.layers.rotary import RotaryEmbedding  # lazy: imports the native kernels (layer ops)
     rebuilt: dict[tuple, RotaryEmbedding] = {}  # one table per distinct rotary (Gemma 3: local and global)
     for module in net.modules():
@@ -205,3 +206,5 @@ def _reset_buffers(net: torch.nn.Module, device: torch.device) -> None:
             if key not in rebuilt:
                 rebuilt[key] = RotaryEmbedding(*module.args).to(device)
             module.cos, module.sin = rebuilt[key].cos, rebuilt[key].sin
+        elif isinstance(module, InferenceModule):
+            module.rebuild_buffers(device)

@@ -6,6 +6,7 @@ from tokenloom.model.models import (  # noqa: F401  (each registers itself)
     mistral,
     mixtral,
     qwen2,
+    qwen2_5_vl,
     qwen3,
     qwen3_moe,
 )

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
 from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.module import InferenceModule
-from tokenloom.model.models.clip_vision import CLIPVisionTower, activation
 from tokenloom.model.models.llama import LlamaForCausalLM
 from tokenloom.model.models.registry import register
+from tokenloom.model.models.vision.activations import activation
+from tokenloom.model.models.vision.clip_vision import CLIPVisionTower
 from tokenloom.model.stack_spec import NativeStackSpec
 from tokenloom.multimodal.llava_config import LlavaConfig
 
@@ -66,6 +69,19 @@ class LlavaForConditionalGeneration(InferenceModule):
         if self.llava.select_strategy == "default":
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
+
+    def encode_images(self, images: list[ImageInput], device: torch.device) -> list[torch.Tensor]:
+        """One [num_image_tokens, text_hidden] tensor per image, the images of one pixel shape in one batch."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, im in enumerate(images):
+            by_shape.setdefault(tuple(im.shape), []).append(i)
+        rows: list[torch.Tensor | None] = [None] * len(images)
+        for shape, group in by_shape.items():
+            pixels = torch.stack([torch.from_numpy(np.frombuffer(images[i].pixel_values, np.float32).reshape(shape)
+                                                   .copy()) for i in group]).to(device)
+            for i, encoded in zip(group, self.encode(pixels)):
+                rows[i] = encoded
+        return rows
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)

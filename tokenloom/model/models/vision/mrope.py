@@ -11,19 +11,40 @@ images (videos, whose time axis advances by `tokens_per_second`, are not handled
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from tokenloom.config import ConfigError
+from tokenloom.core.multimodal import ImageInput
 from tokenloom.kernels import layer_ops
 from tokenloom.model.layers.module import InferenceModule
+from tokenloom.model.layers.rotary import RotaryEmbedding
 from tokenloom.model.models.vision.qwen2_5_vl_grid import GridInput, grids_of
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 
-class ImagePlaceholderError(VisionInputError):
+class ImagePlaceholderError(ImageInputError):
     """A prompt's image placeholder tokens do not match the images given with it."""
+
+
+class PromptRope(NamedTuple):
+    """A prompt's M-RoPE: `positions` [3, P] of its tokens, and `delta`, which every later token (index i)
+    adds to its index in all three streams."""
+
+    positions: torch.Tensor
+    delta: int
+
+    def streams(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of the tokens at indices start .. end - 1 (prompt or decoded)."""
+        prompt_len = self.positions.shape[1]
+        inside = self.positions[:, start:min(end, prompt_len)]
+        if end <= prompt_len:
+            return inside
+        return torch.cat([inside, mrope_decode_positions(max(start, prompt_len), end - max(start, prompt_len),
+                                                         self.delta)], dim=1)
 
 
 def mrope_positions(token_ids: torch.Tensor | Sequence[int], image_token_id: int,
@@ -72,6 +93,19 @@ def mrope_decode_positions(first_index: int, count: int, delta: int) -> torch.Te
     return torch.arange(first_index + delta, first_index + delta + count).expand(3, -1)
 
 
+@runtime_checkable
+class MRopeModel(Protocol):
+    """A model whose prompts with images take M-RoPE positions (the runner asks it once per such prompt)."""
+
+    def prompt_rope(self, token_ids: list[int], images: list[ImageInput]) -> PromptRope: ...
+
+
+@functools.cache
+def takes_mrope(model_class: type) -> bool:
+    """Whether a model class is an `MRopeModel` (a Protocol check costs ~10 us: once per class)."""
+    return issubclass(model_class, MRopeModel)
+
+
 class MRotaryEmbedding(InferenceModule):
     """Rotate-half rotary embedding whose frequency pairs take their angle from one of three position streams:
     the first mrope_section[0] pairs from time, the next mrope_section[1] from row, the rest from column."""
@@ -81,11 +115,22 @@ class MRotaryEmbedding(InferenceModule):
         if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
             raise ConfigError(f"rope_scaling.mrope_section {list(mrope_section)} must be three numbers summing to "
                               f"head_dim / 2 = {head_dim // 2}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.head_dim, self.theta, self.mrope_section = head_dim, theta, list(mrope_section)
+        inv_freq, stream_of_pair = self._tables(torch.device("cpu"))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        stream_of_pair = torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section)))
         self.register_buffer("stream_of_pair", stream_of_pair, persistent=False)
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frequency of each pair, the stream each pair's angle comes from)."""
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device)
+                                         / self.head_dim))
+        sections = torch.tensor(self.mrope_section, device=device)
+        return inv_freq, torch.repeat_interleave(torch.arange(3, device=device), sections)
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        self.inv_freq, self.stream_of_pair = self._tables(device)
+        self._last = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [3, T] (or [T] for text alone) -> cos, sin: [T, head_dim / 2]."""
@@ -95,7 +140,7 @@ class MRotaryEmbedding(InferenceModule):
         angles = angles.gather(0, self.stream_of_pair.expand(1, angles.shape[1], -1)).squeeze(0)
         return angles.cos(), angles.sin()
 
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, row of each token): every layer shares this module and one positions tensor within a
         forward, so the angles are computed once per forward instead of once per layer."""
         if self._last is None or self._last[0] is not positions:
@@ -105,9 +150,25 @@ class MRotaryEmbedding(InferenceModule):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D] rotated by the positions' angles."""
-        cos, sin, rows = self._tables(positions)
+        cos, sin, rows = self._angles(positions)
         if layer_ops.native(q) and k.dtype == torch.float32:
             # The native op reads angles from a table by position: here each token's row is its own entry.
             return torch.ops.tokenloom.rotary_embedding(rows, q, k, cos, sin)
         cos, sin = cos[:, None], sin[:, None]
         return layer_ops.rotate_half(q, cos, sin), layer_ops.rotate_half(k, cos, sin)
+
+
+class TextMRotaryEmbedding(RotaryEmbedding):
+    """Qwen2.5-VL's text rotary. Where the three streams are equal (text, and every decode) M-RoPE is the plain
+    rotary at that position, so 1-D positions take the plain tables and their fast paths (native op, CUDA
+    graphs, the native decoder stack); only a forward over image tokens passes [3, T] positions, rotated
+    section by section."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, mrope_section: Sequence[int]):
+        super().__init__(head_dim, max_positions, theta, None)
+        self.sections = MRotaryEmbedding(head_dim, theta, mrope_section)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 2:
+            return self.sections(positions, q, k)
+        return super().forward(positions, q, k)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 GridTHW = tuple[int, int, int]
 # image_grid_thw as the processor returns it (numpy), as transformers passes it (a tensor), or as plain rows.
@@ -25,7 +25,7 @@ def grids_of(image_grid_thw: GridInput) -> list[GridTHW]:
     """`image_grid_thw` as (frames, rows, columns) tuples of Python ints."""
     rows = image_grid_thw.tolist() if isinstance(image_grid_thw, (torch.Tensor, np.ndarray)) else image_grid_thw
     if any(len(row) != 3 for row in rows):
-        raise VisionInputError(f"image_grid_thw rows must be (frames, rows, columns), got {rows!r}")
+        raise ImageInputError(f"image_grid_thw rows must be (frames, rows, columns), got {rows!r}")
     return [(int(t), int(h), int(w)) for t, h, w in rows]
 
 

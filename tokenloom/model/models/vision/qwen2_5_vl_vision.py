@@ -28,7 +28,7 @@ from tokenloom.model.models.vision.qwen2_5_vl_grid import (
     patch_positions,
     window_layout,
 )
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 # The norms' epsilon: fixed in the reference implementation, absent from the config.
 VISION_NORM_EPS = 1e-6
@@ -52,9 +52,15 @@ class Qwen2_5_VisionRotary(InferenceModule):
 
     def __init__(self, config: Qwen2_5_VLVisionConfig):
         super().__init__()
-        axis_dim = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, axis_dim, 2, dtype=torch.float) / axis_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        axis_dim = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, axis_dim, 2, dtype=torch.float, device=device) / axis_dim))
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        self.inv_freq = self._inv_freq(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [rows, 2] -> cos, sin: [rows, head_dim / 2], the row's angles then the column's (the
@@ -151,16 +157,16 @@ class Qwen2_5_VisionTower(InferenceModule):
         cfg = self.config
         grids = grids_of(image_grid_thw)
         if not grids:
-            raise VisionInputError("no images to encode")
+            raise ImageInputError("no images to encode")
         if pixel_values.dim() != 2 or pixel_values.shape[1] != cfg.patch_pixels:
-            raise VisionInputError(f"pixel_values must be [patches, {cfg.patch_pixels}], "
+            raise ImageInputError(f"pixel_values must be [patches, {cfg.patch_pixels}], "
                                    f"got {list(pixel_values.shape)}")
         bad = [g for g in grids if min(g) <= 0 or g[1] % cfg.spatial_merge_size or g[2] % cfg.spatial_merge_size]
         if bad:
-            raise VisionInputError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
+            raise ImageInputError(f"image_grid_thw rows {bad} are not positive multiples of the merge size "
                                    f"{cfg.spatial_merge_size}")
         if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
-            raise VisionInputError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
+            raise ImageInputError(f"image_grid_thw describes {sum(t * h * w for t, h, w in grids)} patches, "
                                    f"pixel_values has {pixel_values.shape[0]}")
         return grids
 

@@ -14,7 +14,7 @@ from torch import nn
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.models.vision.activations import VISION_ACTIVATIONS
 from tokenloom.model.models.vision.siglip_config import SiglipVisionConfig
-from tokenloom.model.models.vision.vision_errors import VisionInputError
+from tokenloom.multimodal.errors import ImageInputError
 
 
 class SiglipEmbeddings(InferenceModule):
@@ -103,7 +103,7 @@ class SiglipVisionTower(InferenceModule):
         cfg = self.config
         want = (cfg.num_channels, cfg.image_size, cfg.image_size)
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != want:
-            raise VisionInputError(f"pixel_values must be [images, {', '.join(map(str, want))}], "
+            raise ImageInputError(f"pixel_values must be [images, {', '.join(map(str, want))}], "
                              f"got {list(pixel_values.shape)}")
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from tokenloom.multimodal.image_decode import rgb
+
 # The 8-bit -> [0, 1] factor of every released preprocessor_config.json.
 DEFAULT_RESCALE_FACTOR = 1 / 255
 
@@ -25,19 +27,10 @@ RESAMPLING = {
 RESAMPLING_BY_CODE = {int(mode): name for name, mode in RESAMPLING.items()}
 
 
-def rgb_image(image: Image.Image) -> Image.Image:
-    """The image in RGB, any transparency composited onto a white background."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
 def normalized_pixels(image: Image.Image, height: int, width: int, resample: str, mean: Sequence[float],
                       std: Sequence[float], rescale_factor: float = DEFAULT_RESCALE_FACTOR) -> np.ndarray:
     """[3, height, width] float32: `image` in RGB, resized, rescaled and normalised per channel."""
-    resized = rgb_image(image).resize((width, height), resample=RESAMPLING[resample])
+    resized = rgb(image).resize((width, height), resample=RESAMPLING[resample])
     pixels = (np.asarray(resized).astype(np.float64) * rescale_factor).astype(np.float32)
     pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))

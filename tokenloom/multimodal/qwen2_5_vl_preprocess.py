@@ -16,21 +16,20 @@ from PIL import Image
 
 from tokenloom.config import ConfigError
 from tokenloom.core.json_types import JsonValue
-from tokenloom.model.models.vision.image_pixels import (
+from tokenloom.multimodal.clip_preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.image_pixels import (
     DEFAULT_RESCALE_FACTOR,
     RESAMPLING,
     RESAMPLING_BY_CODE,
     normalized_pixels,
 )
-from tokenloom.model.models.vision.vision_errors import VisionInputError
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # The reference processor refuses images more elongated than this.
 MAX_ASPECT_RATIO = 200
 
 
-class ImageSizeError(VisionInputError):
+class ImageSizeError(ImageInputError):
     """An image the processor cannot bring to a patch grid (empty, or too elongated)."""
 
 

@@ -13,21 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.model.layers.module import InferenceModule
+from tokenloom.model.models.vision.activations import activation
 from tokenloom.multimodal.llava_config import CLIPVisionSizes
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-               "relu": F.relu, "silu": F.silu}
-
-
-def activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
 
 
 class CLIPVisionEmbeddings(InferenceModule):

@@ -15,7 +15,7 @@ from PIL import Image
 
 from tokenloom.config import ConfigError
 from tokenloom.core.json_types import JsonValue
-from tokenloom.model.models.vision.image_pixels import (
+from tokenloom.multimodal.image_pixels import (
     DEFAULT_RESCALE_FACTOR,
     RESAMPLING,
     RESAMPLING_BY_CODE,
