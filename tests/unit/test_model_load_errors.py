@@ -67,11 +67,11 @@ def test_the_tiny_folder_itself_loads(tmp_path):
 
 def test_an_unsupported_architecture_is_named_with_the_supported_ones_by_the_offline_llm(tmp_path):
     """A multimodal folder (no text sizes at the top of its config) names its class, not a missing key."""
-    folder = write_folder(tmp_path / "llava", {"architectures": ["LlavaForConditionalGeneration"],
-                                               "text_config": {"hidden_size": HIDDEN}, "vision_config": {}})
+    folder = write_folder(tmp_path / "idefics3", {"architectures": ["Idefics3ForConditionalGeneration"],
+                                                  "text_config": {"hidden_size": HIDDEN}, "vision_config": {}})
     with pytest.raises(UnsupportedModelError) as exc:
         LLM(folder, progress=False, device="cpu", num_blocks=8)
-    assert_one_line_naming(exc, str(Path(folder) / "config.json"), "'LlavaForConditionalGeneration'",
+    assert_one_line_naming(exc, str(Path(folder) / "config.json"), "'Idefics3ForConditionalGeneration'",
                            "supported: ", "LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
