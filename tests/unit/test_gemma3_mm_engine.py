@@ -173,3 +173,24 @@ def test_the_transformers_5_checkpoint_layout_loads_the_same_model(tiny_gemma3_m
         assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
+
+
+def test_the_torch_attention_backend_gives_the_same_greedy_output(tiny_gemma3_mm):
+    folder, hf = tiny_gemma3_mm
+    llm = _llm(folder, attention_backend="torch")
+    try:
+        images = [helpers.tiny_image(60, 90, seed=11), helpers.tiny_image(120, 64, seed=12)]
+        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.tp
+def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_gemma3_mm):
+    folder, hf = tiny_gemma3_mm
+    llm = _llm(folder, tensor_parallel_size=2)
+    try:
+        images = [helpers.tiny_image(60, 90, seed=13), helpers.tiny_image(120, 64, seed=14)]
+        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    finally:
+        llm.shutdown()
