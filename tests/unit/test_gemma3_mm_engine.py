@@ -160,12 +160,22 @@ def test_an_image_longer_than_a_steps_token_budget_is_refused(tiny_gemma3_mm):
         llm.shutdown()
 
 
-def test_the_transformers_5_checkpoint_layout_loads_the_same_model(tiny_gemma3_mm, tmp_path):
+def _transformers_5_module_names(name: str) -> str:
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    return "model." + name
+
+
+def _released_names(name: str) -> str:
+    return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+
+@pytest.mark.parametrize("rename", [_transformers_5_module_names, _released_names])
+def test_each_checkpoint_layout_loads_the_same_model(tiny_gemma3_mm, tmp_path, rename):
     folder, hf = tiny_gemma3_mm
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
-    renamed = {("model.language_model." + n.removeprefix("language_model.model.")
-                if n.startswith("language_model.model.") else "model." + n): t for n, t in tensors.items()}
+    renamed = {rename(n): t for n, t in tensors.items()}
     save_file(renamed, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
     llm = _llm(str(tmp_path))
     try:

@@ -3,13 +3,14 @@
 
 An image's encoder rows replace its `<image_soft_token>` rows after the text rows are embedded and scaled by
 sqrt(hidden_size); the image rows are not scaled (transformers' Gemma3Model scatters them into the scaled
-embeddings). In prefill the soft tokens of one image attend to each other both ways
-(`bidirectional_image_attention`: the runner marks each prefill chunk's image spans, the attention adds them to
-its causal mask); decoding is causal.
+embeddings). In prefill the soft tokens of one image attend to each other both ways: the frontend marks each
+image `attend_whole` (multimodal/gemma3_images.py), the scheduler keeps it in one chunk and the runner adds its
+span to the chunk's causal mask (worker/image_attention.py); decoding is causal.
 
-Checkpoint names: a transformers 5 save writes `model.language_model.*`, `model.vision_tower.*`,
-`model.multi_modal_projector.*` and `lm_head.*`; the released files (transformers 4.5x) write
-`language_model.model.*`, `vision_tower.vision_model.*` and `multi_modal_projector.*`. Both are read.
+Checkpoint names: the released files write `language_model.model.*`, `vision_tower.vision_model.*` and
+`multi_modal_projector.*`; transformers 5.24's `save_pretrained` the same with SigLIP one level up
+(`vision_tower.*`); transformers 5's module names are `model.language_model.*`, `model.vision_tower.*`,
+`model.multi_modal_projector.*` and `lm_head.*`. All are read.
 """
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 
 @register("Gemma3ForConditionalGeneration")
 class Gemma3ForConditionalGeneration(InferenceModule):
-    bidirectional_image_attention = True
-
     def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         if cfg.multimodal_config is None or not isinstance(cfg.multimodal_config.get("vision_config"), dict):
