@@ -183,3 +183,11 @@ def tiny_qwen2_5_vl(tmp_path_factory):
     """(folder, hf_model): a tiny random Qwen2.5-VL saved with its tokenizer, image processor and chat template."""
     folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
     return folder, helpers.build_tiny_qwen2_5_vl(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mm(tmp_path_factory):
+    """(folder, hf_model): a tiny random Gemma 3 with images, saved with its tokenizer, image processor and chat
+    template."""
+    folder = str(tmp_path_factory.mktemp("tiny_gemma3_mm"))
+    return folder, helpers.build_tiny_gemma3_mm(folder)

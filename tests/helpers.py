@@ -547,3 +547,61 @@ def build_tiny_qwen2_5_vl(folder: str, seed: int = 0):
     Qwen2VLImageProcessorPil(min_pixels=TINY_QWEN_VL_MIN_PIXELS,
                              max_pixels=TINY_QWEN_VL_MAX_PIXELS).save_pretrained(folder)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random Gemma 3 with images: SigLIP on 56-pixel images (7-pixel patches, an 8x8 grid pooled to 16 tokens),
+# the tiny Gemma 3 text model's layer kinds and window, a word-level tokenizer with the three image tokens,
+# Gemma 3's image processor config and a chat template that writes <start_of_image> for each image. No final-logit
+# soft-capping, as in the released multimodal configs (transformers' Gemma3ForConditionalGeneration ignores it).
+# ---------------------------------------------------------------------------------------------
+TINY_GEMMA3_BOI, TINY_GEMMA3_EOI, TINY_GEMMA3_SOFT = 508, 509, 510
+TINY_GEMMA3_MM_TOKENS = 16
+TINY_GEMMA3_TEMPLATE = TINY_LLAVA_TEMPLATE.replace("<image> ", "<start_of_image> ")
+
+
+def build_tiny_gemma3_mm(folder: str, seed: int = 0):
+    """A tiny random transformers Gemma3ForConditionalGeneration saved to `folder` with its tokenizer, image
+    processor config and chat template; returns the model (float32, eval mode), the reference."""
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    text = dict(**{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16},
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                sliding_window=TINY_GEMMA3_WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=None,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                 "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=56,
+                  patch_size=7, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=TINY_GEMMA3_MM_TOKENS, boi_token_index=TINY_GEMMA3_BOI,
+                                       eoi_token_index=TINY_GEMMA3_EOI, image_token_index=TINY_GEMMA3_SOFT)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "language_model" in name or "mm_soft_emb_norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))  # Gemma's (1 + w) norms start at w = 0: make each count
+            elif "language_model" not in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in TINY_LLAVA_WORDS:
+        vocab.setdefault(word, len(vocab))
+    while len(vocab) < TINY_GEMMA3_BOI:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                                "<image_soft_token>"]})
+    assert tokenizer.convert_tokens_to_ids("<image_soft_token>") == TINY_GEMMA3_SOFT
+    tokenizer.chat_template = TINY_GEMMA3_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+    return model

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from tokenloom.core.multimodal import ImageInput
-from tokenloom.scheduler.encoder_cache import EncoderCacheManager
+from tokenloom.scheduler.encoder_cache import EncoderCacheManager, run_over_whole_images
 
 
-def _image(h: str, offset: int, length: int = 16) -> ImageInput:
-    return ImageInput(content_hash=h, pixel_values=b"", shape=[3, 28, 28], offset=offset, length=length)
+def _image(h: str, offset: int, length: int = 16, attend_whole: bool = False) -> ImageInput:
+    return ImageInput(content_hash=h, pixel_values=b"", shape=[3, 28, 28], offset=offset, length=length,
+                      attend_whole=attend_whole)
 
 
 def test_a_chunk_stops_before_an_image_the_cache_has_no_room_for():
@@ -48,3 +49,18 @@ def test_one_step_encodes_no_more_than_its_budget_beyond_the_first_image():
     assert cache.fit_chunk("b", [_image("y", 3)], 0, 19) == 3
     cache.begin_step()
     assert cache.fit_chunk("b", [_image("y", 3)], 3, 16) == 16
+
+
+def test_a_chunk_ending_inside_a_whole_image_runs_on_to_its_end_when_the_limit_allows():
+    image = _image("x", 4, attend_whole=True)  # placeholders 4..19
+    assert run_over_whole_images([image], 0, 10, 64) == 20
+    assert run_over_whole_images([image], 0, 10, 19) == 10  # no room: fit_chunk then stops before it
+    assert run_over_whole_images([_image("y", 4)], 0, 10, 64) == 10  # an image that may be split
+
+
+def test_a_chunk_never_ends_inside_a_whole_image():
+    cache = EncoderCacheManager(capacity=64, step_budget=64)
+    image = _image("x", 4, attend_whole=True)
+    assert cache.fit_chunk("a", [image], 0, 10) == 4  # stops before it
+    assert cache.fit_chunk("a", [image], 4, 10) == 0  # at its start, without room for all of it: waits
+    assert cache.fit_chunk("a", [image], 4, 16) == 16

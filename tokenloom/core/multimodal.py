@@ -19,6 +19,10 @@ class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
     offset: int
     length: int
     grid_thw: list[int] = []  # Qwen2.5-VL: the patch grid (frames, rows, columns); empty for fixed-size towers
+    # Gemma 3: the placeholders attend to each other both ways in prefill, so a prefill chunk holds all of the
+    # ones still to compute or none (a chunk ending inside the image would compute its first rows blind to
+    # the rest).
+    attend_whole: bool = False
 
     @property
     def end(self) -> int:

@@ -20,9 +20,17 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Vision-language models: their text model is one of these (config.json's text_config.model_type).
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                            "Gemma3ForConditionalGeneration")
 MULTIMODAL_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                          "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+                          "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                          "gemma3_text": "Gemma3ForCausalLM"}
+# transformers' Gemma3TextConfig defaults (Gemma 3 4B's text model), for a text_config that states only what
+# differs (the released Gemma 3 4B/12B/27B config.json files do).
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                        "sliding_window": 4096, "query_pre_attn_scalar": 256}
 # transformers' LlamaConfig defaults (Llama 2 7B), for a text_config that states only what differs.
 LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
@@ -251,7 +259,8 @@ def _text_config(cfg: JsonObject, arch: str) -> JsonObject:
     if kind not in MULTIMODAL_TEXT_MODELS:
         raise UnsupportedModelError(f"{arch} with a {kind!r} text model is not supported (supported: "
                                     f"{', '.join(MULTIMODAL_TEXT_MODELS)})")
-    merged = {**LLAMA_DEFAULTS, **text, "architectures": [MULTIMODAL_TEXT_MODELS[kind]]}
+    defaults = GEMMA3_TEXT_DEFAULTS if kind == "gemma3_text" else LLAMA_DEFAULTS
+    merged = {**defaults, **text, "architectures": [MULTIMODAL_TEXT_MODELS[kind]]}
     if "tie_word_embeddings" in cfg:
         merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return merged

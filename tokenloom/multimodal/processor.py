@@ -18,6 +18,7 @@ from tokenloom.config import ConfigError, MultiModalConfig
 from tokenloom.core.json_types import JsonObject
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.multimodal.errors import ImageInputError
+from tokenloom.multimodal.gemma3_images import Gemma3Images
 from tokenloom.multimodal.image_decode import ImageLimits, decode_image
 from tokenloom.multimodal.llava_images import LlavaImages
 from tokenloom.multimodal.qwen2_5_vl_images import Qwen2_5_VLImages
@@ -37,6 +38,7 @@ class ModelImages(Protocol):
 FAMILIES: dict[str, Callable[[JsonObject, JsonObject], ModelImages]] = {
     "LlavaForConditionalGeneration": LlavaImages.from_configs,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLImages.from_configs,
+    "Gemma3ForConditionalGeneration": Gemma3Images.from_configs,
 }
 
 

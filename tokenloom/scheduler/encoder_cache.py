@@ -34,11 +34,14 @@ class EncoderCacheManager:
 
     def fit_chunk(self, key: str, images: list[ImageInput], start: int, n: int) -> int:
         """How many of the `n` tokens from `start` this sequence may compute this step: all of them, or fewer
-        so the chunk stops before an image this step cannot encode. Images the chunk reaches are held for
-        `key` until `release_past` or `release`."""
+        so the chunk stops before an image this step cannot encode, or before an `attend_whole` image whose
+        remaining placeholders it cannot hold all of (0: wait for a step with room). Images the chunk reaches
+        are held for `key` until `release_past` or `release`."""
         for image in images:
             if not image.overlaps(start, start + n):
                 continue
+            if image.attend_whole and start + n < image.end:  # never part of an image's remaining placeholders
+                return max(image.offset - start, 0)
             h = image.content_hash
             if h in self.entries:
                 self.entries.move_to_end(h)
@@ -85,3 +88,13 @@ class EncoderCacheManager:
         readers = self.readers.get(h)
         if readers is not None:
             readers.discard(key)
+
+
+def run_over_whole_images(images: list[ImageInput], start: int, n: int, limit: int) -> int:
+    """A chunk of `n` tokens from `start` that would end inside an `attend_whole` image's placeholders runs on
+    to the image's end when `limit` (the tokens left and the step's budget) allows: the cap on long prefills
+    gives way to an image that must be prefilled in one chunk."""
+    for image in images:
+        if image.attend_whole and image.offset < start + n < image.end <= start + limit:
+            n = image.end - start
+    return n

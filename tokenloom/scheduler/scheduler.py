@@ -24,7 +24,7 @@ from tokenloom.core.contract import (
 from tokenloom.core.kv_connector import SchedulerConnector
 from tokenloom.core.messages import EngineCoreOutput
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.scheduler.encoder_cache import EncoderCacheManager
+from tokenloom.scheduler.encoder_cache import EncoderCacheManager, run_over_whole_images
 from tokenloom.scheduler.kv_cache_manager import KVCacheManager
 from tokenloom.scheduler.lora_slots import LoRASlotTable
 from tokenloom.scheduler.structured_step import constrain_drafts, forced_token_logprobs, next_token_bitmask
@@ -90,6 +90,11 @@ class Scheduler:
         if too_large:
             raise ValueError(f"an image of {too_large[0]} encoder rows does not fit the encoder cache "
                              f"({self.encoder.capacity} rows, --max-encoder-cache)")
+        step_tokens = self.config.max_num_batched_tokens
+        whole = [im.length for im in request.images if im.attend_whole and im.length > step_tokens]
+        if whole:
+            raise ValueError(f"an image of {whole[0]} placeholder tokens must be prefilled in one step, more than "
+                             f"--max-num-batched-tokens ({step_tokens})")
         first_token = self.connector.on_add(request)
         self.requests[request.key] = request
         outputs = []
@@ -150,7 +155,8 @@ class Scheduler:
                 continue
             drafting = speculate and remaining == 1
             req.spec_token_ids, req.spec_bitmasks = self._drafts(req, budget) if drafting else ([], None)
-            n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget)
+            start = req.num_computed_tokens
+            n = 1 + len(req.spec_token_ids) if req.spec_token_ids else self._chunk(req, remaining, budget, start)
             if req.images and not req.spec_token_ids:
                 n = self.encoder.fit_chunk(req.key, req.images, req.num_computed_tokens, n)
                 if n == 0:  # its next token is an image this step cannot encode
@@ -196,7 +202,8 @@ class Scheduler:
             external = 0
             if req.num_computed_tokens == 0 and not embed:
                 external = self.connector.num_external_tokens(req, num_cached_tokens)
-            n = req.num_tokens if embed else self._chunk(req, req.num_tokens - num_cached_tokens - external, budget)
+            start = num_cached_tokens + external
+            n = req.num_tokens if embed else self._chunk(req, req.num_tokens - start, budget, start)
             if n > budget:
                 break  # next step (validation keeps an embedding prompt within one step's budget)
             if req.images:
@@ -376,10 +383,12 @@ class Scheduler:
         self._preempt(victim)
         return done[1] if done is not None else 0
 
-    def _chunk(self, req: Request, remaining: int, budget: int) -> int:
+    def _chunk(self, req: Request, remaining: int, budget: int, start: int) -> int:
+        """`start`: the chunk's first position."""
         n = min(remaining, budget)
         if remaining > 1:
             n = min(n, self.config.long_prefill_token_threshold)
+        n = run_over_whole_images(req.images, start, n, min(remaining, budget))
         return max(n, 1) if budget > 0 else 0
 
     def _pick_waiting(self) -> int:

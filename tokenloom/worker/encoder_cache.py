@@ -22,6 +22,9 @@ class ImageRows:
 
     first_row: int
     rows: torch.Tensor
+    # The image's placeholder positions [offset, end) in its sequence when they attend to each other both
+    # ways in prefill (ImageInput.attend_whole); None: causal.
+    bidirectional: tuple[int, int] | None = None
 
 
 class EncoderCache:
@@ -52,7 +55,8 @@ class EncoderCache:
         out = []
         for first_row, start, end, im in spans:
             lo, hi = max(start, im.offset), min(end, im.end)
-            out.append(ImageRows(first_row + lo - start, self.rows[im.content_hash][lo - im.offset:hi - im.offset]))
+            out.append(ImageRows(first_row + lo - start, self.rows[im.content_hash][lo - im.offset:hi - im.offset],
+                                 (im.offset, im.end) if im.attend_whole else None))
         return out
 
     def _encode(self, model: torch.nn.Module, images: list[ImageInput]) -> None:

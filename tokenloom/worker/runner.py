@@ -34,6 +34,7 @@ from tokenloom.structured.matcher import apply_token_bitmask
 from tokenloom.worker.batch_layout import BatchLayout, LogitRow, step_layout
 from tokenloom.worker.encoder_cache import EncoderCache, ImageRows, embeddings_with_images
 from tokenloom.worker.forward_path import EAGER, ForwardPath, fast_path_takes_lora
+from tokenloom.worker.image_attention import ImageSpanAttention, needs_image_spans
 from tokenloom.worker.request_state import RequestState, apply_forks
 from tokenloom.worker.sampling_plan import SamplingPlan
 from tokenloom.worker.step_states import follow_step
@@ -74,6 +75,7 @@ class ModelRunner:
         # scheduler has seen it (CachedRequestData.takes_last_sample).
         self.last_samples: dict[str, int] = {}
         self.encoder_cache = EncoderCache(device)  # image encoder rows (multimodal models)
+        self.image_attention = ImageSpanAttention(attention, kv_caches)  # steps with both-ways image spans
 
     def swap_model(self, model: torch.nn.Module, forward: ForwardPath) -> None:
         """Serve another model of the same shapes (a weight update) from the next step on; the requests'
@@ -180,7 +182,10 @@ class ModelRunner:
         fast = (row_slots is None or fast_path_takes_lora(self.forward.kind)) and not images
         if fast and graphs is not None and kv_layers is None and graphs.can_run(batch.spans):
             return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.spans)
-        meta = batch.metadata(self.attention, self.device)
+        if needs_image_spans(images):
+            meta = self.image_attention.metadata(batch, images, self.device)
+        else:
+            meta = batch.metadata(self.attention, self.device)
         ids_t, pos_t = batch.tensors(self.device)
         if fast and stack is not None and kv_layers is None and stack.can_run():
             lora = None if row_slots is None else StackLoRA(self.lora.targets, self.lora.batch.scaling, row_slots)

@@ -21,6 +21,9 @@ class PrefillChunk:
     end: int
     context_len: int  # tokens in the KV cache for this request after this step
     block_table: torch.Tensor  # [num_blocks] block ids
+    # Position ranges [lo, hi) whose queries attend to every key of the range, later ones too (Gemma 3's
+    # image tokens in prefill); causal elsewhere. Set by the runner for a model that asks for it.
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -215,13 +218,15 @@ class TorchAttention:
             row = k_cache.shape[-1]
             keys = read_rows(_gather_blocks(k_cache, blocks).view(-1, self.num_kv_heads, row)[:length], q.dtype)
             values = read_rows(_gather_blocks(v_cache, blocks).view(-1, self.num_kv_heads, row)[:length], q.dtype)
-        if chunk.context_len == n and (window is None or window >= n):
+        if chunk.context_len == n and (window is None or window >= n) and not chunk.bidirectional:
             mask, causal = None, True
         else:
             rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
             cols = torch.arange(first, chunk.context_len, device=q.device).unsqueeze(0)
             mask = cols <= rows
-            if window is not None:
+            for lo, hi in chunk.bidirectional:
+                mask |= (rows >= lo) & (rows < hi) & (cols >= lo) & (cols < hi)
+            if window is not None:  # transformers: window AND (causal OR same image)
                 mask &= cols > rows - window
             causal = False
         keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)

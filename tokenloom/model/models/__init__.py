@@ -1,6 +1,7 @@
 from tokenloom.model.models import (  # noqa: F401  (each registers itself)
     bert,
     gemma3,
+    gemma3_mm,
     llama,
     llava,
     mistral,

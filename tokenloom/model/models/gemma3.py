@@ -65,9 +65,14 @@ class Gemma3Model(InferenceModule):
             for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the activation dtype, as HF does
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the activation dtype, as HF does
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the rows to start from, already scaled (`embed`), instead of the ids' (a prompt
+        with images, whose rows enter unscaled as transformers' Gemma3Model scatters them)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
