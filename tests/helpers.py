@@ -433,8 +433,6 @@ def build_tiny_llava(folder: str, seed: int = 0, select_strategy: str = "default
     """A tiny random transformers LlavaForConditionalGeneration saved to `folder` with its tokenizer, image
     processor config and chat template; returns the model (float32, eval mode), the reference."""
     import transformers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     text = transformers.LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 2})
@@ -455,23 +453,32 @@ def build_tiny_llava(folder: str, seed: int = 0, select_strategy: str = "default
             elif "vision_tower" in name or "projector" in name:
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
+    save_tiny_vlm_tokenizer(folder, TINY_LLAVA_IMAGE_TOKEN, ["<image>"], TINY_LLAVA_TEMPLATE)
+    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    return model
+
+
+def save_tiny_vlm_tokenizer(folder: str, first_special: int, specials: list[str], template: str) -> None:
+    """A word-level tokenizer over TINY_LLAVA_WORDS, padded with filler words up to `first_special`, then the image
+    tokens `specials` in order; saved with `template` and a greedy generation config, as a VLM folder needs."""
+    import transformers  # lazy: a test reference, loaded by the tests that build models only
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for word in TINY_LLAVA_WORDS:
         vocab.setdefault(word, len(vocab))
-    while len(vocab) < TINY_LLAVA_IMAGE_TOKEN:
+    while len(vocab) < first_special:
         vocab[f"w{len(vocab)}"] = len(vocab)
     inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
                                                      unk_token="<unk>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    assert tokenizer.convert_tokens_to_ids("<image>") == TINY_LLAVA_IMAGE_TOKEN
-    tokenizer.chat_template = TINY_LLAVA_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    assert tokenizer.convert_tokens_to_ids(specials[0]) == first_special
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
-    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
-    return model
 
 
 def tiny_image(width: int, height: int, seed: int = 0):
@@ -505,8 +512,6 @@ def build_tiny_qwen2_5_vl(folder: str, seed: int = 0):
     """A tiny random transformers Qwen2_5_VLForConditionalGeneration saved to `folder` with its tokenizer, image
     processor config and chat template; returns the model (float32, eval mode), the reference."""
     import transformers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     text = {**TINY_COMMON, "num_key_value_heads": 2,
@@ -528,22 +533,8 @@ def build_tiny_qwen2_5_vl(folder: str, seed: int = 0):
             else:
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
-    with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in TINY_LLAVA_WORDS:
-        vocab.setdefault(word, len(vocab))
-    while len(vocab) < TINY_QWEN_VL_VISION_START:
-        vocab[f"w{len(vocab)}"] = len(vocab)
-    inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
-                                                     unk_token="<unk>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
-    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == TINY_QWEN_VL_IMAGE_PAD
-    tokenizer.chat_template = TINY_QWEN_VL_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    save_tiny_vlm_tokenizer(folder, TINY_QWEN_VL_VISION_START, ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+                            TINY_QWEN_VL_TEMPLATE)
     Qwen2VLImageProcessorPil(min_pixels=TINY_QWEN_VL_MIN_PIXELS,
                              max_pixels=TINY_QWEN_VL_MAX_PIXELS).save_pretrained(folder)
     return model
@@ -564,8 +555,6 @@ def build_tiny_gemma3_mm(folder: str, seed: int = 0):
     """A tiny random transformers Gemma3ForConditionalGeneration saved to `folder` with its tokenizer, image
     processor config and chat template; returns the model (float32, eval mode), the reference."""
     import transformers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     text = dict(**{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16},
@@ -587,21 +576,7 @@ def build_tiny_gemma3_mm(folder: str, seed: int = 0):
             elif "language_model" not in name:
                 p.normal_(0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)
-    with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in TINY_LLAVA_WORDS:
-        vocab.setdefault(word, len(vocab))
-    while len(vocab) < TINY_GEMMA3_BOI:
-        vocab[f"w{len(vocab)}"] = len(vocab)
-    inner = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
-                                                     unk_token="<unk>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
-                                                                "<image_soft_token>"]})
-    assert tokenizer.convert_tokens_to_ids("<image_soft_token>") == TINY_GEMMA3_SOFT
-    tokenizer.chat_template = TINY_GEMMA3_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    save_tiny_vlm_tokenizer(folder, TINY_GEMMA3_BOI, ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+                            TINY_GEMMA3_TEMPLATE)
     Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
     return model

@@ -14,17 +14,15 @@ Checkpoint names: the released files write `language_model.model.*`, `vision_tow
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
-from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import AttentionBackend
-from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.models.gemma3 import Gemma3ForCausalLM
 from tokenloom.model.models.registry import register
 from tokenloom.model.models.vision.gemma3_vision import Gemma3VisionConfig, Gemma3VisionEncoder
+from tokenloom.model.models.vision_language import VisionLanguageModel, pixel_tensor
 from tokenloom.multimodal.gemma3_images import Gemma3ImageTokens
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -32,7 +30,7 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 
 
 @register("Gemma3ForConditionalGeneration")
-class Gemma3ForConditionalGeneration(InferenceModule):
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         if cfg.multimodal_config is None or not isinstance(cfg.multimodal_config.get("vision_config"), dict):
@@ -46,7 +44,7 @@ class Gemma3ForConditionalGeneration(InferenceModule):
 
     def encode_images(self, images: list[ImageInput], device: torch.device) -> list[torch.Tensor]:
         """One [mm_tokens_per_image, text_hidden] tensor per image, all of them (one fixed size) in one batch."""
-        pixels = torch.stack([torch.from_numpy(np.frombuffer(im.pixel_values, np.float32).reshape(im.shape).copy())
+        pixels = torch.stack([pixel_tensor(im)
                               for im in images]).to(device)
         dtype = next(self.encoder.parameters()).dtype
         return self.encoder.encode(pixels.to(dtype))
@@ -54,15 +52,6 @@ class Gemma3ForConditionalGeneration(InferenceModule):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden)
-
-    def native_stack_spec(self) -> str:
-        return self.language_model.native_stack_spec()
 
     def checkpoint_names(self) -> set[str]:
         names = {f"language_model.{n}" for n in self.language_model.checkpoint_names()}

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import torch
 from torch import nn
 
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError
-from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import AttentionBackend
 from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.models.llama import LlamaForCausalLM
 from tokenloom.model.models.registry import register
 from tokenloom.model.models.vision.activations import activation
 from tokenloom.model.models.vision.clip_vision import CLIPVisionTower
-from tokenloom.model.stack_spec import NativeStackSpec
+from tokenloom.model.models.vision_language import VisionLanguageModel, pixel_tensor
 from tokenloom.multimodal.llava_config import LlavaConfig
 
 _TOWER_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
@@ -46,7 +44,7 @@ class LlavaProjector(InferenceModule):
 
 
 @register("LlavaForConditionalGeneration")
-class LlavaForConditionalGeneration(InferenceModule):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         if cfg.multimodal_config is None:
@@ -77,8 +75,7 @@ class LlavaForConditionalGeneration(InferenceModule):
             by_shape.setdefault(tuple(im.shape), []).append(i)
         rows: list[torch.Tensor | None] = [None] * len(images)
         for shape, group in by_shape.items():
-            pixels = torch.stack([torch.from_numpy(np.frombuffer(images[i].pixel_values, np.float32).reshape(shape)
-                                                   .copy()) for i in group]).to(device)
+            pixels = torch.stack([pixel_tensor(images[i]) for i in group]).to(device)
             for i, encoded in zip(group, self.encode(pixels)):
                 rows[i] = encoded
         return rows
@@ -86,16 +83,6 @@ class LlavaForConditionalGeneration(InferenceModule):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden)
-
-    def native_stack_spec(self) -> NativeStackSpec | str:
-        """The text model's: steps without image rows (decodes) may run on the native stack."""
-        return self.language_model.native_stack_spec()
 
     def checkpoint_names(self) -> set[str]:
         names = {f"language_model.{n}" for n in self.language_model.checkpoint_names()}

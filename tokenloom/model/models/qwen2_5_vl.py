@@ -11,25 +11,22 @@ and `visual.*`; transformers 4.5x saves wrote `model.language_model.*` and `mode
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.model.arch_config import ArchConfig, UnsupportedModelError, mrope_section
-from tokenloom.model.layers.attention import AttentionMetadata
 from tokenloom.model.layers.attention_backend import AttentionBackend
-from tokenloom.model.layers.module import InferenceModule
 from tokenloom.model.models.qwen2 import Qwen2ForCausalLM
 from tokenloom.model.models.registry import register
 from tokenloom.model.models.vision.mrope import PromptRope, TextMRotaryEmbedding, mrope_positions
 from tokenloom.model.models.vision.qwen2_5_vl_config import Qwen2_5_VLVisionConfig
 from tokenloom.model.models.vision.qwen2_5_vl_vision import Qwen2_5_VisionTower
-from tokenloom.model.stack_spec import NativeStackSpec
+from tokenloom.model.models.vision_language import VisionLanguageModel, pixel_tensor
 from tokenloom.multimodal.qwen2_5_vl_images import Qwen2_5_VLImageTokens
 
 
 @register("Qwen2_5_VLForConditionalGeneration")
-class Qwen2_5_VLForConditionalGeneration(InferenceModule):
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ArchConfig, attention: AttentionBackend):
         super().__init__()
         if cfg.multimodal_config is None or not isinstance(cfg.multimodal_config.get("vision_config"), dict):
@@ -47,7 +44,7 @@ class Qwen2_5_VLForConditionalGeneration(InferenceModule):
 
     def encode_images(self, images: list[ImageInput], device: torch.device) -> list[torch.Tensor]:
         """One [tokens, text_hidden] tensor per image: all of them through the tower in one packed call."""
-        pixels = torch.cat([torch.from_numpy(np.frombuffer(im.pixel_values, np.float32).reshape(im.shape).copy())
+        pixels = torch.cat([pixel_tensor(im)
                             for im in images]).to(device)
         dtype = next(self.visual.parameters()).dtype
         return self.visual.encode(pixels.to(dtype), [im.grid_thw for im in images])
@@ -61,16 +58,6 @@ class Qwen2_5_VLForConditionalGeneration(InferenceModule):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden)
-
-    def native_stack_spec(self) -> NativeStackSpec | str:
-        """The text model's: steps without image rows (decodes, text) may run on the native stack."""
-        return self.language_model.native_stack_spec()
 
     def checkpoint_names(self) -> set[str]:
         names = set(self.language_model.checkpoint_names())
