@@ -481,6 +481,29 @@ def save_tiny_vlm_tokenizer(folder: str, first_special: int, specials: list[str]
     tokenizer.save_pretrained(folder)
 
 
+VLM_NEW_TOKENS = 12  # enough decoded tokens to see the image rows matter, few enough for tiny-model tests
+
+
+def vlm_greedy(max_tokens: int = VLM_NEW_TOKENS, **kw):
+    from tokenloom.core.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def vlm_tokens(llm, prompt: str, images, **kw) -> list[int]:
+    """tokenloom's greedy tokens for a prompt with images (none: the prompt alone)."""
+    request = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+    out = llm.generate(request, vlm_greedy(**kw), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def hf_vlm_tokens(hf, inputs: dict, max_tokens: int = VLM_NEW_TOKENS) -> list[int]:
+    """transformers' greedy tokens for `inputs` (input_ids, pixel_values and what else the model takes)."""
+    import torch
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
 def tiny_image(width: int, height: int, seed: int = 0):
     """A random RGB PIL image."""
     import numpy as np

@@ -10,9 +10,11 @@ import helpers
 import numpy as np
 import pytest
 import torch
+from helpers import vlm_greedy, vlm_tokens
 from safetensors.torch import load_file, save_file
 
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM
+from tokenloom.model.models.vision_language import pixel_tensor
 
 IMAGE = "<start_of_image>"
 ONE_IMAGE = f"USER: {IMAGE} what is in this picture ? ASSISTANT:"
@@ -34,10 +36,6 @@ def gemma(tiny_gemma3_mm):
     llm.shutdown()
 
 
-def _greedy(max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
 def _hf_inputs(llm: LLM, prompt: str, images, bidirectional: bool = True) -> dict[str, torch.Tensor]:
     """What transformers' processor gives for the prompt: the expanded ids, the pixels and the token types that
     mark the image tokens (without them transformers attends causally everywhere)."""
@@ -47,28 +45,19 @@ def _hf_inputs(llm: LLM, prompt: str, images, bidirectional: bool = True) -> dic
     if bidirectional:
         out["token_type_ids"] = (ids_t == helpers.TINY_GEMMA3_SOFT).long()
     if inputs:
-        out["pixel_values"] = torch.stack([torch.from_numpy(np.frombuffer(i.pixel_values, np.float32)
-                                                            .reshape(i.shape).copy()) for i in inputs])
+        out["pixel_values"] = torch.stack([pixel_tensor(i) for i in inputs])
     return out
 
 
-def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = 12) -> list[int]:
+def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = helpers.VLM_NEW_TOKENS) -> list[int]:
     inputs = _hf_inputs(llm, prompt, images)
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def _ours(llm: LLM, prompt: str, images, **kw) -> list[int]:
-    request = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
-    out = llm.generate(request, _greedy(**kw), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
+    return helpers.hf_vlm_tokens(hf, inputs, max_tokens)
 
 
 def _prompt_logprobs(llm: LLM, prompt: str, images) -> list[float]:
     """Our logprob of each prompt token after the first."""
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
-                       _greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+                       vlm_greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ids = out.prompt_token_ids
     return [out.prompt_logprobs[pos][ids[pos]].logprob for pos in range(1, len(ids))]
 
@@ -94,24 +83,24 @@ def test_each_image_becomes_start_soft_tokens_and_end_as_gemma3_processor_writes
 def test_greedy_output_with_one_image_equals_transformers(gemma):
     llm, hf = gemma
     image = helpers.tiny_image(60, 90, seed=1)
-    assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+    assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
 
 
 def test_greedy_output_with_two_images_equals_transformers(gemma):
     llm, hf = gemma
     images = [helpers.tiny_image(60, 90, seed=2), helpers.tiny_image(120, 64, seed=3)]
-    assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
 
 
 def test_an_image_mid_prompt_equals_transformers(gemma):
     llm, hf = gemma
     image = helpers.tiny_image(80, 80, seed=4)
-    assert _ours(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
+    assert vlm_tokens(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
 
 
 def test_a_text_only_prompt_through_the_same_model_equals_transformers(gemma):
     llm, hf = gemma
-    assert _ours(llm, TEXT_ONLY, []) == _hf_greedy(llm, hf, TEXT_ONLY, [])
+    assert vlm_tokens(llm, TEXT_ONLY, []) == _hf_greedy(llm, hf, TEXT_ONLY, [])
 
 
 def test_prompt_logprobs_over_two_images_match_transformers(gemma):
@@ -141,7 +130,7 @@ def test_chunked_prefill_never_splits_an_image_and_equals_transformers(tiny_gemm
     runner.execute_model = lambda step, *a: chunks.append(dict(step.num_scheduled_tokens)) or real(step, *a)
     try:
         image = helpers.tiny_image(60, 90, seed=8)
-        assert _ours(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
+        assert vlm_tokens(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
         _, (placed,) = llm.input_processor.image_processor.prepare(llm.tokenizer.encode(IMAGE_MID_PROMPT), [image])
         ends = np.cumsum([n for step in chunks for n in step.values()])
         assert ends[0] < placed.offset  # chunked ahead of the image: the threshold of 5 applied
@@ -155,7 +144,7 @@ def test_an_image_longer_than_a_steps_token_budget_is_refused(tiny_gemma3_mm):
     llm = _llm(folder, max_num_batched_tokens=helpers.TINY_GEMMA3_MM_TOKENS - 1)
     try:
         with pytest.raises(ValueError, match="must be prefilled in one step"):
-            _ours(llm, ONE_IMAGE, [helpers.tiny_image(60, 90, seed=9)])
+            vlm_tokens(llm, ONE_IMAGE, [helpers.tiny_image(60, 90, seed=9)])
     finally:
         llm.shutdown()
 
@@ -180,7 +169,7 @@ def test_each_checkpoint_layout_loads_the_same_model(tiny_gemma3_mm, tmp_path, r
     llm = _llm(str(tmp_path))
     try:
         image = helpers.tiny_image(60, 90, seed=10)
-        assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
 
@@ -190,7 +179,7 @@ def test_the_torch_attention_backend_gives_the_same_greedy_output(tiny_gemma3_mm
     llm = _llm(folder, attention_backend="torch")
     try:
         images = [helpers.tiny_image(60, 90, seed=11), helpers.tiny_image(120, 64, seed=12)]
-        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
     finally:
         llm.shutdown()
 
@@ -201,6 +190,6 @@ def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_gemma3
     llm = _llm(folder, tensor_parallel_size=2)
     try:
         images = [helpers.tiny_image(60, 90, seed=13), helpers.tiny_image(120, 64, seed=14)]
-        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
     finally:
         llm.shutdown()

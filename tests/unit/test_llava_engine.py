@@ -4,11 +4,12 @@ by image content."""
 from __future__ import annotations
 
 import helpers
-import numpy as np
 import pytest
 import torch
+from helpers import vlm_greedy, vlm_tokens
 
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM
+from tokenloom.model.models.vision_language import pixel_tensor
 from tokenloom.multimodal.errors import ImageInputError
 
 ONE_IMAGE = "USER: <image> what is in this picture ? ASSISTANT:"
@@ -24,53 +25,41 @@ def llava(tiny_llava):
     llm.shutdown()
 
 
-def _greedy(max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
 def _engine_inputs(llm: LLM, prompt: str, images):
     ids, inputs = llm.input_processor.image_processor.prepare(llm.tokenizer.encode(prompt), images)
-    pixels = torch.stack([torch.from_numpy(np.frombuffer(i.pixel_values, np.float32).reshape(i.shape).copy())
-                          for i in inputs])
+    pixels = torch.stack([pixel_tensor(i) for i in inputs])
     return ids, pixels
 
 
-def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = 12) -> list[int]:
+def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = helpers.VLM_NEW_TOKENS) -> list[int]:
     ids, pixels = _engine_inputs(llm, prompt, images)
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, attention_mask=torch.ones(1, len(ids)),
-                          max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
-    return out[0, len(ids):].tolist()
-
-
-def _ours(llm: LLM, prompt: str, images, **kw) -> list[int]:
-    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, _greedy(**kw), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
+    inputs = {"input_ids": torch.tensor([ids]), "pixel_values": pixels, "attention_mask": torch.ones(1, len(ids))}
+    return helpers.hf_vlm_tokens(hf, inputs, max_tokens)
 
 
 def test_greedy_output_with_one_image_equals_transformers(llava):
     llm, hf = llava
     image = helpers.tiny_image(40, 30, seed=1)
-    assert _ours(llm, ONE_IMAGE, image) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+    assert vlm_tokens(llm, ONE_IMAGE, image) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
 
 
 def test_greedy_output_with_two_images_equals_transformers(llava):
     llm, hf = llava
     images = [helpers.tiny_image(40, 30, seed=2), helpers.tiny_image(25, 60, seed=3)]
-    assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
 
 
 def test_an_image_at_the_end_of_the_prompt_equals_transformers(llava):
     llm, hf = llava
     image = helpers.tiny_image(33, 33, seed=4)
-    assert _ours(llm, IMAGE_LAST, image) == _hf_greedy(llm, hf, IMAGE_LAST, [image])
+    assert vlm_tokens(llm, IMAGE_LAST, image) == _hf_greedy(llm, hf, IMAGE_LAST, [image])
 
 
 def test_prompt_logprobs_over_image_placeholders_match_transformers(llava):
     llm, hf = llava
     image = helpers.tiny_image(40, 30, seed=5)
     out = llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": image}},
-                       _greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+                       vlm_greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ids, pixels = _engine_inputs(llm, ONE_IMAGE, [image])
     with torch.no_grad():
         logits = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
@@ -90,7 +79,7 @@ def test_chunked_prefill_that_splits_an_image_equals_transformers_and_encodes_it
     model.encode = lambda pixels: calls.append(pixels.shape[0]) or real(pixels)
     try:
         image = helpers.tiny_image(40, 30, seed=6)
-        assert _ours(llm, ONE_IMAGE, image) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert vlm_tokens(llm, ONE_IMAGE, image) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
         assert calls == [1]  # 16 placeholders over 4 chunks, one encoder run
     finally:
         llm.shutdown()
@@ -101,8 +90,8 @@ def test_the_same_image_and_text_hit_the_prefix_cache(llava):
     llm.engine.reset_prefix_cache()
     prompt = {"prompt": ONE_IMAGE + " tell me more about it please .", "multi_modal_data":
               {"image": helpers.tiny_image(40, 30, seed=7)}}
-    first = llm.generate(prompt, _greedy(), use_tqdm=False)[0]
-    again = llm.generate(prompt, _greedy(), use_tqdm=False)[0]
+    first = llm.generate(prompt, vlm_greedy(), use_tqdm=False)[0]
+    again = llm.generate(prompt, vlm_greedy(), use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
@@ -112,9 +101,9 @@ def test_a_different_image_gives_different_output_and_no_prefix_cache_hit(llava)
     llm.engine.reset_prefix_cache()
     text = "USER: <image> tell me more about it please . ASSISTANT:"  # the image's block is the first
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": helpers.tiny_image(40, 30, seed=8)}},
-                         _greedy(), use_tqdm=False)[0]
+                         vlm_greedy(), use_tqdm=False)[0]
     other = llm.generate({"prompt": text, "multi_modal_data": {"image": helpers.tiny_image(40, 30, seed=9)}},
-                         _greedy(), use_tqdm=False)[0]
+                         vlm_greedy(), use_tqdm=False)[0]
     assert other.num_cached_tokens == 0
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
 
@@ -123,7 +112,7 @@ def test_n_greater_than_one_with_an_image_samples_every_sequence(llava):
     llm, hf = llava
     image = helpers.tiny_image(40, 30, seed=10)
     out = llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": image}},
-                       _greedy(n=3), use_tqdm=False)[0]
+                       vlm_greedy(n=3), use_tqdm=False)[0]
     want = _hf_greedy(llm, hf, ONE_IMAGE, [image])
     assert [list(o.token_ids) for o in out.outputs] == [want] * 3
 
@@ -135,7 +124,7 @@ def test_preempted_image_requests_recompute_to_the_same_output(tiny_llava):
     try:
         images = [helpers.tiny_image(40, 30, seed=20 + i) for i in range(3)]
         outs = llm.generate([{"prompt": ONE_IMAGE, "multi_modal_data": {"image": im}} for im in images],
-                            _greedy(max_tokens=16), use_tqdm=False)
+                            vlm_greedy(max_tokens=16), use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0
         for out, image in zip(outs, images):
             assert list(out.outputs[0].token_ids) == _hf_greedy(llm, hf, ONE_IMAGE, [image], max_tokens=16)
@@ -148,7 +137,7 @@ def test_offline_chat_takes_image_parts(llava):
     image = helpers.tiny_image(40, 30, seed=11)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": helpers.image_data_url(image)}},
                                              {"type": "text", "text": "what is in this picture ?"}]}]
-    out = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    out = llm.chat(messages, vlm_greedy(), use_tqdm=False)[0]
     prompt = "USER: <image> what is in this picture ? ASSISTANT:"
     assert out.prompt.startswith("USER: <image>")
     assert list(out.outputs[0].token_ids) == _hf_greedy(llm, hf, prompt, [image])
@@ -157,7 +146,7 @@ def test_offline_chat_takes_image_parts(llava):
 def test_a_prompt_whose_placeholders_do_not_match_its_images_is_refused(llava):
     llm, _ = llava
     with pytest.raises(ImageInputError, match="placeholder"):
-        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": []}}, _greedy(), use_tqdm=False)
+        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": []}}, vlm_greedy(), use_tqdm=False)
 
 
 def test_an_encoder_cache_of_one_image_serves_a_two_image_prompt_one_image_at_a_time(tiny_llava):
@@ -166,7 +155,7 @@ def test_an_encoder_cache_of_one_image_serves_a_two_image_prompt_one_image_at_a_
               max_encoder_cache=16)
     try:
         images = [helpers.tiny_image(40, 30, seed=30), helpers.tiny_image(30, 40, seed=31)]
-        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
         assert set(llm.engine.executor.worker.runner.encoder_cache.rows) == set(llm.engine.scheduler.encoder.entries)
         assert len(llm.engine.scheduler.encoder.entries) == 1
     finally:
@@ -178,7 +167,7 @@ def test_an_image_larger_than_the_encoder_cache_is_refused(tiny_llava):
               kv_cache_memory=0.05, max_encoder_cache=8)
     try:
         with pytest.raises(ImageInputError, match="--max-encoder-cache"):
-            llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": helpers.tiny_image(9, 9)}}, _greedy(),
+            llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": helpers.tiny_image(9, 9)}}, vlm_greedy(),
                          use_tqdm=False)
     finally:
         llm.shutdown()
@@ -191,6 +180,6 @@ def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_llava)
               tensor_parallel_size=2)
     try:
         images = [helpers.tiny_image(40, 30, seed=40), helpers.tiny_image(28, 28, seed=41)]
-        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
     finally:
         llm.shutdown()

@@ -8,12 +8,13 @@ import os
 import shutil
 
 import helpers
-import numpy as np
 import pytest
 import torch
+from helpers import vlm_greedy, vlm_tokens
 from safetensors.torch import load_file, save_file
 
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM
+from tokenloom.model.models.vision_language import pixel_tensor
 from tokenloom.multimodal.errors import ImageInputError
 
 IMAGE = helpers.TINY_QWEN_VL_IMAGE
@@ -32,10 +33,6 @@ def qwen_vl(tiny_qwen2_5_vl):
     llm.shutdown()
 
 
-def _greedy(max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
 def _hf_inputs(llm: LLM, prompt: str, images) -> dict[str, torch.Tensor]:
     """What transformers' processor gives for the prompt: the expanded ids, the patches, the grids and the
     token types its M-RoPE positions need."""
@@ -44,29 +41,20 @@ def _hf_inputs(llm: LLM, prompt: str, images) -> dict[str, torch.Tensor]:
     out = {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t),
            "mm_token_type_ids": (ids_t == helpers.TINY_QWEN_VL_IMAGE_PAD).int()}
     if inputs:
-        out["pixel_values"] = torch.cat([torch.from_numpy(np.frombuffer(i.pixel_values, np.float32)
-                                                          .reshape(i.shape).copy()) for i in inputs])
+        out["pixel_values"] = torch.cat([pixel_tensor(i) for i in inputs])
         out["image_grid_thw"] = torch.tensor([i.grid_thw for i in inputs])
     return out
 
 
-def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = 12) -> list[int]:
+def _hf_greedy(llm: LLM, hf, prompt: str, images, max_tokens: int = helpers.VLM_NEW_TOKENS) -> list[int]:
     inputs = _hf_inputs(llm, prompt, images)
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def _ours(llm: LLM, prompt: str, images, **kw) -> list[int]:
-    request = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
-    out = llm.generate(request, _greedy(**kw), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
+    return helpers.hf_vlm_tokens(hf, inputs, max_tokens)
 
 
 def test_greedy_output_with_one_image_equals_transformers(qwen_vl):
     llm, hf = qwen_vl
     image = helpers.tiny_image(60, 90, seed=1)
-    assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+    assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
 
 
 def test_greedy_output_with_two_images_of_different_sizes_equals_transformers(qwen_vl):
@@ -74,30 +62,30 @@ def test_greedy_output_with_two_images_of_different_sizes_equals_transformers(qw
     images = [helpers.tiny_image(60, 90, seed=2), helpers.tiny_image(120, 64, seed=3)]
     _, inputs = llm.input_processor.image_processor.prepare(llm.tokenizer.encode(TWO_IMAGES), images)
     assert [i.grid_thw for i in inputs] == [[1, 6, 4], [1, 4, 8]]
-    assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+    assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
 
 
 def test_an_image_mid_prompt_equals_transformers(qwen_vl):
     llm, hf = qwen_vl
     image = helpers.tiny_image(84, 84, seed=4)
-    assert _ours(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
+    assert vlm_tokens(llm, IMAGE_MID_PROMPT, [image]) == _hf_greedy(llm, hf, IMAGE_MID_PROMPT, [image])
 
 
 def test_decoding_after_a_tall_image_continues_its_positions_with_the_delta(qwen_vl):
     llm, hf = qwen_vl
     image = helpers.tiny_image(56, 224, seed=5)  # 8 x 2 merged tokens: the text after it resumes 8 on, not 16
-    assert _ours(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
+    assert vlm_tokens(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
 
 
 def test_a_text_only_prompt_equals_transformers(qwen_vl):
     llm, hf = qwen_vl
-    assert _ours(llm, TEXT_ONLY, None) == _hf_greedy(llm, hf, TEXT_ONLY, [])
+    assert vlm_tokens(llm, TEXT_ONLY, None) == _hf_greedy(llm, hf, TEXT_ONLY, [])
 
 
 def test_text_and_image_prompts_in_one_batch_each_equal_transformers(qwen_vl):
     llm, hf = qwen_vl
     image = helpers.tiny_image(60, 90, seed=6)
-    outs = llm.generate([TEXT_ONLY, {"prompt": ONE_IMAGE, "multi_modal_data": {"image": [image]}}], _greedy(),
+    outs = llm.generate([TEXT_ONLY, {"prompt": ONE_IMAGE, "multi_modal_data": {"image": [image]}}], vlm_greedy(),
                         use_tqdm=False)
     assert list(outs[0].outputs[0].token_ids) == _hf_greedy(llm, hf, TEXT_ONLY, [])
     assert list(outs[1].outputs[0].token_ids) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
@@ -107,7 +95,7 @@ def test_prompt_logprobs_over_image_placeholders_match_transformers(qwen_vl):
     llm, hf = qwen_vl
     images = [helpers.tiny_image(60, 90, seed=7), helpers.tiny_image(120, 64, seed=8)]
     out = llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}},
-                       _greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+                       vlm_greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     inputs = _hf_inputs(llm, TWO_IMAGES, images)
     ids = inputs["input_ids"][0].tolist()
     with torch.no_grad():
@@ -127,7 +115,7 @@ def test_chunked_prefill_that_splits_an_image_equals_transformers_and_encodes_it
     model.encode_images = lambda images, device: calls.append(len(images)) or real(images, device)
     try:
         image = helpers.tiny_image(56, 224, seed=9)  # 16 placeholders over 4 chunks
-        assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
         assert calls == [1]
     finally:
         llm.shutdown()
@@ -145,7 +133,7 @@ def test_the_earlier_checkpoint_layout_loads_the_same_model(tiny_qwen2_5_vl, tmp
               kv_cache_memory=0.05)
     try:
         image = helpers.tiny_image(60, 90, seed=10)
-        assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
 
@@ -154,7 +142,7 @@ def test_more_images_than_placeholders_is_refused(qwen_vl):
     llm, _ = qwen_vl
     images = [helpers.tiny_image(60, 90, seed=11)] * 2
     with pytest.raises(ImageInputError, match="1 image placeholder"):
-        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"image": images}}, vlm_greedy(), use_tqdm=False)
 
 
 @pytest.mark.tp
@@ -164,7 +152,7 @@ def test_tensor_parallel_over_two_ranks_gives_the_same_greedy_output(tiny_qwen2_
               tensor_parallel_size=2)
     try:
         images = [helpers.tiny_image(60, 90, seed=12), helpers.tiny_image(120, 64, seed=13)]
-        assert _ours(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
+        assert vlm_tokens(llm, TWO_IMAGES, images) == _hf_greedy(llm, hf, TWO_IMAGES, images)
     finally:
         llm.shutdown()
 
@@ -175,7 +163,7 @@ def test_ngram_speculative_decoding_after_an_image_equals_transformers(tiny_qwen
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     try:
         image = helpers.tiny_image(56, 224, seed=14)
-        assert _ours(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
+        assert vlm_tokens(llm, IMAGE_LAST, [image], max_tokens=20) == _hf_greedy(llm, hf, IMAGE_LAST, [image], 20)
     finally:
         llm.shutdown()
 
@@ -187,7 +175,7 @@ def test_an_image_larger_than_the_encoder_cache_is_refused_naming_its_rows(tiny_
     try:
         images = [helpers.tiny_image(60, 90, seed=15), helpers.tiny_image(112, 112, seed=16)]  # 6 and 16 rows
         with pytest.raises(ImageInputError, match="takes 16 encoder rows; the encoder cache holds 10"):
-            llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+            llm.generate({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, vlm_greedy(), use_tqdm=False)
     finally:
         llm.shutdown()
 
@@ -211,7 +199,7 @@ def test_the_released_config_layout_loads_the_same_model(tiny_qwen2_5_vl, tmp_pa
               kv_cache_memory=0.05)
     try:
         image = helpers.tiny_image(60, 90, seed=17)
-        assert _ours(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
     finally:
         llm.shutdown()
 
@@ -221,7 +209,7 @@ def test_a_prefix_cache_hit_past_an_image_keeps_transformers_greedy_output(qwen_
     llm.engine.reset_prefix_cache()
     prompt = ONE_IMAGE + " tell me more about it please ."
     image = helpers.tiny_image(56, 224, seed=18)
-    first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, _greedy(), use_tqdm=False)[0]
-    again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, _greedy(), use_tqdm=False)[0]
+    first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, vlm_greedy(), use_tqdm=False)[0]
+    again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, vlm_greedy(), use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
     assert list(again.outputs[0].token_ids) == _hf_greedy(llm, hf, prompt, [image])
