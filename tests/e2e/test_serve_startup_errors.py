@@ -64,11 +64,11 @@ def test_corrupt_gguf_fails_in_one_line(corrupt_gguf):
 
 def test_unsupported_architecture_fails_in_one_line_naming_the_file_and_the_supported_ones(tmp_path):
     """A multimodal folder: its config has no text sizes at the top, and the class is what to report."""
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
                                                       "text_config": {"hidden_size": 64}, "vision_config": {}}))
     save_file({"language_model.lm_head.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
     proc = run_serve(str(tmp_path))
-    assert_one_line_error(proc, str(tmp_path / "config.json"), "'LlavaForConditionalGeneration'",
+    assert_one_line_error(proc, str(tmp_path / "config.json"), "'Idefics3ForConditionalGeneration'",
                           "supported: ", "LlamaForCausalLM")
 
 
