@@ -64,3 +64,12 @@ def test_a_chunk_never_ends_inside_a_whole_image():
     assert cache.fit_chunk("a", [image], 0, 10) == 4  # stops before it
     assert cache.fit_chunk("a", [image], 4, 10) == 0  # at its start, without room for all of it: waits
     assert cache.fit_chunk("a", [image], 4, 16) == 16
+
+
+def test_with_no_capacity_an_image_is_freed_when_the_next_step_begins_and_never_refused():
+    cache = EncoderCacheManager(capacity=0, step_budget=8)
+    assert cache.fit_chunk("a", [_image("x", 2)], 0, 20) == 20
+    assert cache.fit_chunk("b", [_image("x", 2)], 0, 20) == 20
+    assert cache.take_frees() == []
+    cache.begin_step()
+    assert cache.take_frees() == ["x"]
