@@ -183,7 +183,8 @@ def run_vlm(ns) -> int:
     results = {"image_size": f"{width}x{height}", "patches": grid[0] * grid[1] * grid[2], "image_tokens": image_tokens,
                "prompt_tokens": ids.shape[1], "vision_depth": vision["depth"], "vision_width": vision["hidden_size"],
                "text_layers": TEXT_MODEL["num_hidden_layers"], "text_width": TEXT_MODEL["hidden_size"],
-               "transformers_attention": model.config._attn_implementation, "dtype": ns.dtype, "device": ns.device, "threads": torch.get_num_threads(),
+               "transformers_attention": model.config._attn_implementation, "dtype": ns.dtype,
+               "device": ns.device, "threads": torch.get_num_threads(),
                "load_average": os.getloadavg()[0], "ttft_s": ttft,
                "first_tokens": {name: sorted(tokens) for name, tokens in first_tokens.items() if tokens},
                "encoder_images_per_second": images_per_second}
