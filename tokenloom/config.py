@@ -376,7 +376,8 @@ class MultiModalConfig:
     allowed_local_media_path: str | None = None
     media_fetch_timeout: float = 5.0  # seconds for one http(s) image, connect to last byte (vLLM's default)
     # Encoder rows (tokens) kept between steps and requests, keyed by the image's content hash; FastDeploy's
-    # max_encoder_cache. 4096 holds seven LLaVA-1.5 images (576 rows each).
+    # max_encoder_cache. 4096 holds seven LLaVA-1.5 images (576 rows each); 0 keeps no rows past the step that
+    # encoded them (no reuse).
     max_encoder_cache: int = 4096
 
     def __post_init__(self) -> None:
@@ -384,7 +385,8 @@ class MultiModalConfig:
         _check(self.max_image_bytes >= 1, f"max_image_bytes must be >= 1 (got {self.max_image_bytes})")
         _check(self.max_image_pixels >= 1, f"max_image_pixels must be >= 1 (got {self.max_image_pixels})")
         _check(self.media_fetch_timeout > 0, f"media_fetch_timeout must be > 0 s (got {self.media_fetch_timeout})")
-        _check(self.max_encoder_cache >= 1, f"max_encoder_cache must be >= 1 token (got {self.max_encoder_cache})")
+        _check(self.max_encoder_cache >= 0,
+               f"max_encoder_cache must be >= 0 tokens (0: no reuse; got {self.max_encoder_cache})")
         if isinstance(self.allowed_media_domains, str):
             self.allowed_media_domains = [d for d in self.allowed_media_domains.split(",") if d]
         if self.allowed_local_media_path is not None:
@@ -831,7 +833,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--max-encoder-cache", "--max_encoder_cache", dest="max_encoder_cache", type=int,
                    default=env_default("max_encoder_cache", None, int),
                    help="vision encoder rows kept for reuse across prefill chunks and requests, in tokens "
-                        "(default 4096; FastDeploy's max_encoder_cache)")
+                        "(default 4096; 0: no reuse, each request encodes its images again; FastDeploy's "
+                        "max_encoder_cache)")
     g.add_argument("--no-enable-prefix-caching", dest="no_enable_prefix_caching", action="store_true",
                    default=env_default("no_enable_prefix_caching", False, bool),
                    help="turn automatic prefix caching off")

@@ -1,6 +1,9 @@
 """The scheduler's encoder cache account: room, holds, least-recently-used eviction and the per-step budget."""
 from __future__ import annotations
 
+import pytest
+
+from tokenloom.config import ConfigError, MultiModalConfig
 from tokenloom.core.multimodal import ImageInput
 from tokenloom.scheduler.encoder_cache import EncoderCacheManager, run_over_whole_images
 
@@ -64,3 +67,18 @@ def test_a_chunk_never_ends_inside_a_whole_image():
     assert cache.fit_chunk("a", [image], 0, 10) == 4  # stops before it
     assert cache.fit_chunk("a", [image], 4, 10) == 0  # at its start, without room for all of it: waits
     assert cache.fit_chunk("a", [image], 4, 16) == 16
+
+
+def test_with_no_capacity_an_image_is_freed_when_the_next_step_begins_and_never_refused():
+    cache = EncoderCacheManager(capacity=0, step_budget=8)
+    assert cache.fit_chunk("a", [_image("x", 2)], 0, 20) == 20
+    assert cache.fit_chunk("b", [_image("x", 2)], 0, 20) == 20
+    assert cache.take_frees() == []
+    cache.begin_step()
+    assert cache.take_frees() == ["x"]
+
+
+def test_a_negative_encoder_cache_is_refused_and_zero_means_no_reuse():
+    assert MultiModalConfig(max_encoder_cache=0).max_encoder_cache == 0
+    with pytest.raises(ConfigError, match="max_encoder_cache must be >= 0"):
+        MultiModalConfig(max_encoder_cache=-1)

@@ -121,6 +121,25 @@ def test_chunked_prefill_that_splits_an_image_equals_transformers_and_encodes_it
         llm.shutdown()
 
 
+def test_with_no_encoder_cache_each_chunk_and_each_request_encodes_the_image_again(tiny_qwen2_5_vl):
+    folder, hf = tiny_qwen2_5_vl
+    llm = LLM(folder, progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05,
+              long_prefill_token_threshold=5, max_num_batched_tokens=64, max_encoder_cache=0,
+              enable_prefix_caching=False)
+    calls = []
+    model = llm.engine.executor.worker.runner.model
+    real = model.encode_images
+    model.encode_images = lambda images, device: calls.append(len(images)) or real(images, device)
+    try:
+        image = helpers.tiny_image(56, 224, seed=9)  # 16 placeholders over 4 chunks
+        assert vlm_tokens(llm, ONE_IMAGE, [image]) == _hf_greedy(llm, hf, ONE_IMAGE, [image])
+        assert calls == [1, 1, 1, 1]
+        vlm_tokens(llm, ONE_IMAGE, [image])
+        assert calls == [1] * 8
+    finally:
+        llm.shutdown()
+
+
 def test_the_earlier_checkpoint_layout_loads_the_same_model(tiny_qwen2_5_vl, tmp_path):
     folder, hf = tiny_qwen2_5_vl
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)

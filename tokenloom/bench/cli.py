@@ -1,4 +1,4 @@
-"""`tokenloom bench throughput|serve|decode|roofline|moe|eplb|collectives|vision` argument wiring."""
+"""`tokenloom bench throughput|serve|decode|roofline|moe|eplb|collectives|vision|vlm` argument wiring."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ from tokenloom.bench.eplb import add_eplb_args
 from tokenloom.bench.moe_layer import add_moe_args
 from tokenloom.bench.roofline import add_roofline_args
 from tokenloom.bench.vision_tower import add_vision_args
+from tokenloom.bench.vlm_serving import add_vlm_args
 from tokenloom.config import add_engine_args
 
 try:
@@ -59,6 +60,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     add_vision_args(sub.add_parser("vision", help="images/s through the Qwen2.5-VL vision tower (3B shapes, random "
                                                  "weights) against transformers' on the same weights"))
+
+    add_vlm_args(sub.add_parser("vlm", help="TTFT for one image + ~100 words with the encoder cache on and off "
+                                           "(Qwen2.5-VL-3B tower shapes, tiny text model, random weights) against "
+                                           "transformers on the same weights"))
 
     if add_serve_bench_args is not None:
         add_serve_bench_args(sub.add_parser("serve", help="load test of an OpenAI-compatible server"))

@@ -87,7 +87,7 @@ class InputProcessor:
         ids, inputs = self.image_processor.prepare(ids, images)
         cache = self.config.multimodal.max_encoder_cache
         largest = max((im.length for im in inputs), default=0)
-        if largest > cache:
+        if cache and largest > cache:
             raise ImageInputError(f"an image takes {largest} encoder rows; the encoder cache holds "
                                   f"{cache} (--max-encoder-cache)")
         return ids, inputs

@@ -10,6 +10,11 @@ needs and they lack, so this account only budgets and evicts; it never decides c
 
 Per step, at most `step_budget` rows are encoded (the step's token budget, or one whole image if that is
 larger): a chunk that would reach an image beyond that stops before the image's first placeholder.
+
+A capacity of 0 turns reuse off: every image's rows are freed at the start of the step after the one that
+encoded them, so each request (and each prefill chunk that reaches an image) encodes it again; sequences in
+the same step that show the same image still share that step's one encoding. It is the baseline the encoder
+cache is measured against (`tokenloom bench vlm`).
 """
 from __future__ import annotations
 
@@ -28,9 +33,16 @@ class EncoderCacheManager:
         self.used = 0
         self.pending_frees: list[str] = []
         self.step_rows = 0  # rows this step encodes
+        self.step_hashes: list[str] = []  # capacity 0: the images this step encodes, freed when the next begins
+
+    @property
+    def reuses(self) -> bool:
+        return self.capacity > 0
 
     def begin_step(self) -> None:
         self.step_rows = 0
+        self.pending_frees.extend(self.step_hashes)
+        self.step_hashes = []
 
     def fit_chunk(self, key: str, images: list[ImageInput], start: int, n: int) -> int:
         """How many of the `n` tokens from `start` this sequence may compute this step: all of them, or fewer
@@ -43,6 +55,10 @@ class EncoderCacheManager:
             if image.attend_whole and start + n < image.end:  # never part of an image's remaining placeholders
                 return max(image.offset - start, 0)
             h = image.content_hash
+            if not self.reuses:
+                if h not in self.step_hashes:
+                    self.step_hashes.append(h)
+                continue
             if h in self.entries:
                 self.entries.move_to_end(h)
             elif self._room_for(image.length):

@@ -86,7 +86,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.lora_int_id and self.lora_slots is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
-        too_large = [im.length for im in request.images if im.length > self.encoder.capacity]
+        too_large = [im.length for im in request.images if self.encoder.reuses and im.length > self.encoder.capacity]
         if too_large:
             raise ValueError(f"an image of {too_large[0]} encoder rows does not fit the encoder cache "
                              f"({self.encoder.capacity} rows, --max-encoder-cache)")
