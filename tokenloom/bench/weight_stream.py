@@ -25,6 +25,8 @@ from tokenloom.model.loader import load_model
 
 def _on_plain_pages(w: QuantizedWeight, scale_dtype: torch.dtype) -> QuantizedWeight:
     p = w.panels
+    if p.scales.dtype == torch.int8:  # a K-quant's integer scales and float32 factors: kept as they are
+        return replace(w, panels=Panels(p.qpacked.clone(), p.scales.clone(), p.mins.clone(), p.columns))
     return replace(w, panels=Panels(p.qpacked.clone(), p.scales.to(scale_dtype).clone(),
                                     p.mins.to(scale_dtype).clone(), p.columns))
 

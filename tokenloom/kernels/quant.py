@@ -12,7 +12,8 @@ bits 8: [N, K]) with float32 `scales` and `mins` [N, K/block]: w = q * scale + m
 column-interleaved form (`interleave`): 16 output columns side by side, one SIMD lane each, so the kernels
 need no horizontal sums and stay fast at hundreds of rows. `panel_rows` reads rows back out of that form
 (the embedding lookup of a tied table that is only kept interleaved). The interleaved form keeps block
-scales and mins in float16 where that is exact (`compact_scales`).
+scales and mins in float16 where that is exact (`compact_scales`), and a K-quant's (Q4_K, Q5_K, Q6_K) as
+the file does: an integer per sub-block times a float per 256 values (`super_block_scales`).
 """
 from __future__ import annotations
 
@@ -80,21 +81,59 @@ def quant_matmul_a8_reference(x: torch.Tensor, qweight, scales, mins, bits: int,
     return out.float().reshape(*x.shape[:-1], n)
 
 
+SUPER_BLOCK = 256  # values a K-quant super-block: one d (and dmin) of the file each
+
+
+def super_block_scales(sub: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 block scales and mins [..., K/block] of the K-quant form, as the kernels form them.
+
+    sub: int8 [..., K/block, C], each block's integer scale sc and min m (C = 1: m = sc); factors: float32
+    [..., K/256, 2], each super-block's d and dm. scale = d * sc and min = dm * m: GGUF's d and dmin are
+    float16 (11-bit mantissas) and sc, m at most 8-bit integers, so each product is exact in float32, the
+    float a repack stores (gguf_repack: d*sc and -(dmin*m) for Q4_K/Q5_K, -32*d*sc = (-32d)*sc for Q6_K).
+    """
+    per = sub.shape[-2] // factors.shape[-2]
+    f = factors.float().repeat_interleave(per, dim=-2)
+    return f[..., 0] * sub[..., 0].float(), f[..., 1] * sub[..., -1].float()
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _panel_lanes(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """[N, ...] per weight row -> [P, ..., 16], the 16 columns of a panel side by side (N padded by `pad`)."""
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    t = t.reshape(t.shape[0] // PANEL, PANEL, *t.shape[1:])
+    return t.permute(0, *range(2, t.dim()), 1).contiguous()
+
+
 PANEL = 16          # output columns side by side in the interleaved form (one 512-bit vector of int32)
 TILE_COLUMNS = 32   # columns a kernel tile: the interleaved N is padded to a multiple of it
 
 
 def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               block_size: int, sub: torch.Tensor | None = None,
+               factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The row-major blocks -> (qpacked uint8 [P, K/32, 16*32*bits/8], scales and mins float32 [P, K/block, 16]).
 
     P = N padded to 32, over 16. Per (panel, 32-block), 8-bit: group g (64 bytes) holds each column's
     elements 4g..4g+3 in its 4 bytes, columns side by side; 4-bit: 4 groups whose low nibbles are groups
     0..3 of the 8-bit form and high nibbles groups 4..7 (csrc/quant_gemm.cpp reads it so).
+
+    With a K-quant's `sub` and `factors` (`super_block_scales`) that give `scales` and `mins` bit for bit,
+    the scales are those integers, int8 [P, K/block, C, 16], and the mins the factors, float32
+    [P, K/256, 2, 16]: the K-quant form, which the kernels read instead of float32 scales (a Q4_K weight
+    4.75 bits a value instead of 6, a Q6_K one 8.75 instead of 12).
     """
     q = unpacked(qweight, bits)
     n, k = q.shape
     pad = -n % TILE_COLUMNS
+    k_form = sub is not None and factors is not None and k % SUPER_BLOCK == 0 and \
+        all(_bitwise_equal(a, b) for a, b in zip(super_block_scales(sub, factors), (scales, mins)))
+    if k_form and torch.equal(sub[..., 0], sub[..., 1]):
+        sub = sub[..., :1]  # Q6_K: the min is -32 d times the scale's own integer
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         scales, mins = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, mins))
@@ -103,6 +142,8 @@ def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     if bits == 4:
         groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
     qpacked = groups.reshape(panels, k // 32, -1).contiguous()
+    if k_form:
+        return qpacked, _panel_lanes(sub.to(torch.int8), pad), _panel_lanes(factors.float(), pad)
     scales, mins = compact_scales(scales, mins)
     return (qpacked, *(t.reshape(panels, PANEL, -1).permute(0, 2, 1).contiguous() for t in (scales, mins)))
 
@@ -132,7 +173,18 @@ def panel_rows(qpacked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     got = groups[panel, :, :, lane]  # [R, K/32, groups, 4]
     if bits == 4:
         got = torch.cat([got & 0xF, got >> 4], dim=2)
-    return got.reshape(rows.shape[0], -1), scales[panel, :, lane].float(), mins[panel, :, lane].float()
+    if scales.dtype == torch.int8:
+        row_scales, row_mins = super_block_scales(*panel_super_blocks(scales, mins, rows))
+    else:
+        row_scales, row_mins = scales[panel, :, lane].float(), mins[panel, :, lane].float()
+    return got.reshape(rows.shape[0], -1), row_scales, row_mins
+
+
+def panel_super_blocks(scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of a K-quant form's panels as (sub int8 [R, K/block, 2], factors float32 [R, K/256, 2])."""
+    panel, lane = rows // PANEL, rows % PANEL
+    sub = scales[panel, ..., lane]  # [R, K/block, C]
+    return sub.expand(*sub.shape[:-1], 2).contiguous(), mins[panel, ..., lane].float()
 
 
 def quant_gemm(x, qpacked, scales, mins, n: int, bits: int, block_size: int) -> torch.Tensor:

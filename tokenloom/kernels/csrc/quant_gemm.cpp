@@ -11,6 +11,11 @@
 //     every value is one exactly (GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 keep float16 block scales, and their
 //     mins are the scale times -8, -16 or -128): a batch-1 decode step of the embedded model reads 96
 //     instead of 115 MiB, and the products are the same bit for bit (each is widened to float32 on load).
+//   K-quant form (Q4_K, Q5_K, Q6_K: GGUF's super-blocks of 256 values): scales int8 [N/16, K/block, C, 16],
+//     each sub-block's integer scale sc (and, C = 2, its integer min m; C = 1: m = sc), and mins float32
+//     [N/16, K/256, 2, 16], each super-block's factors d and dm; the kernels form scale = d * sc and
+//     min = dm * m. GGUF's d is a float16 and sc at most 8 bits, so both products are exact in float32: the
+//     very floats of the float32 form, at 0.75 bits a value instead of 2 (Q4_K) or 4 (Q6_K).
 //
 // W4A8 (quant_gemm_a8): the activation's 4 int8 values of a group are broadcast to every lane and
 // one vpdpbusd (AVX2: maddubs + madd) adds 4 products to each of 16 (8) columns' int32 sums; after
@@ -62,6 +67,9 @@ inline vf fset1(float v) { return _mm512_set1_ps(v); }
 inline vf ffma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf fmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+inline vf fload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline vi iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline vi izero() { return _mm512_setzero_si512(); }
 inline vi iset1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -87,6 +95,9 @@ inline vf fset1(float v) { return _mm256_set1_ps(v); }
 inline vf ffma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf fmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vf fload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline vi iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi izero() { return _mm256_setzero_si256(); }
 inline vi iset1(int32_t v) { return _mm256_set1_epi32(v); }
@@ -131,6 +142,35 @@ struct Packed {
   int64_t nbx;         // 32-value blocks along K
   int64_t nsb;         // scale blocks along K (K / block size)
   int64_t block_bytes; // bytes of one (panel, 32-block)
+
+  // The scales and mins of scale block `sb` of `panel`, VL lanes from `lane0`.
+  template <int BS>
+  inline void scale_min(int64_t panel, int64_t sb, int lane0, vf& s, vf& m) const {
+    const int64_t at = (panel * nsb + sb) * PANEL + lane0;
+    s = fload(scale + at), m = fload(min + at);
+  }
+};
+
+// The K-quant form: integer sub-block scales (and mins) times float32 super-block factors.
+constexpr int SUPER = 256;  // values a super-block
+
+struct KPacked {
+  const uint8_t* q;
+  const int8_t* sub;    // [panels, nsb, C, 16]
+  const float* factor;  // [panels, K/256, 2, 16]: d, dm
+  int64_t nbx;
+  int64_t nsb;
+  int64_t block_bytes;
+  int64_t c;            // sub-block integers a lane: 2 (sc, m) or 1 (m = sc)
+
+  template <int BS>
+  inline void scale_min(int64_t panel, int64_t sb, int lane0, vf& s, vf& m) const {
+    constexpr int per_super = SUPER / BS;
+    const int8_t* i = sub + (panel * nsb + sb) * c * PANEL + lane0;
+    const float* f = factor + (panel * (nsb / per_super) + sb / per_super) * 2 * PANEL + lane0;
+    s = fmul(fload(f), fload_i8(i));
+    m = fmul(fload(f + PANEL), fload_i8(i + (c - 1) * PANEL));
+  }
 };
 
 // Where vector `cv` of column tile `t` starts: its panel and its byte / lane offset inside the panel.
@@ -149,8 +189,8 @@ inline void store_cols(float* out, vf a, int64_t col, int64_t n) {
 }
 
 // ---- W4A8 -------------------------------------------------------------------------------------------
-template <int BITS, int BS, int MR, typename S>
-void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed<S>& w, int64_t t, float* out, int64_t ldo,
+template <int BITS, int BS, int MR, typename W>
+void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const W& w, int64_t t, float* out, int64_t ldo,
              int64_t n) {
   vf acc[MR][NCV];
   for (int r = 0; r < MR; ++r)
@@ -187,8 +227,9 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed<S>& w
       }
     }
     for (int cv = 0; cv < NCV; ++cv) {
-      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
-      const vf s0 = fload(w.scale + at), m0 = fload(w.min + at);
+      vf s0, m0, s1, m1;
+      w.template scale_min<BS>(panel_of(t, cv), b * (32 / BS), lane0_of(cv), s0, m0);
+      if constexpr (BS == 16) w.template scale_min<BS>(panel_of(t, cv), 2 * b + 1, lane0_of(cv), s1, m1);
       for (int r = 0; r < MR; ++r) {
         const float* meta = xmeta + (r * w.nbx + b) * 4;
         const vf dx = fset1(meta[0]);
@@ -196,7 +237,6 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed<S>& w
           acc[r][cv] = ffma(cvt(slo[r][cv]), fmul(s0, dx), acc[r][cv]);
           acc[r][cv] = ffma(m0, fset1(meta[1]), acc[r][cv]);
         } else {
-          const vf s1 = fload(w.scale + at + PANEL), m1 = fload(w.min + at + PANEL);
           acc[r][cv] = ffma(cvt(slo[r][cv]), fmul(s0, dx), acc[r][cv]);
           acc[r][cv] = ffma(cvt(shi[r][cv]), fmul(s1, dx), acc[r][cv]);
           acc[r][cv] = ffma(m0, fset1(meta[2]), acc[r][cv]);
@@ -211,15 +251,16 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const Packed<S>& w
 
 // ---- exact -------------------------------------------------------------------------------------------
 // Column tile t of the whole weight, dequantized: wbuf[k * CT + c] = fma(q, scale, min).
-template <int BITS, int BS, typename S>
-void decode_tile(const Packed<S>& w, int64_t t, float* wbuf) {
+template <int BITS, int BS, typename W>
+void decode_tile(const W& w, int64_t t, float* wbuf) {
   const vi nib = iset1(0x0F), byte = iset1(0xFF);
   for (int64_t b = 0; b < w.nbx; ++b) {
     for (int cv = 0; cv < NCV; ++cv) {
       const uint8_t* base = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
-      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
-      const vf s0 = fload(w.scale + at), m0 = fload(w.min + at);
-      const vf s1 = BS == 32 ? s0 : fload(w.scale + at + PANEL), m1 = BS == 32 ? m0 : fload(w.min + at + PANEL);
+      vf s0, m0, s1, m1;
+      w.template scale_min<BS>(panel_of(t, cv), b * (32 / BS), lane0_of(cv), s0, m0);
+      if constexpr (BS == 16) w.template scale_min<BS>(panel_of(t, cv), 2 * b + 1, lane0_of(cv), s1, m1);
+      else s1 = s0, m1 = m0;
       float* dst = wbuf + b * 32 * CT + cv * VL;
       for (int g = 0; g < 4; ++g) {
         vi lo[4], hi[4];  // byte j of each lane: element 4g+j (lo) and 16+4g+j (hi)
@@ -277,8 +318,8 @@ inline vi element_scaled(vi v) {
 // Few rows (at most MR_EXACT): each block dequantized into registers and used at once, no buffer. The
 // FMAs per element are those of exact_tile over decode_tile's buffer, in the same order (k = 0..K-1),
 // and the dequantized weights the same fma(q, scale, min): so a row's bits match the many-row path.
-template <int BITS, int BS, int MR, int NV, typename S>
-void exact_tile_direct(const float* x, int64_t K, const Packed<S>& w, int64_t t, float* out, int64_t ldo, int64_t n) {
+template <int BITS, int BS, int MR, int NV, typename W>
+void exact_tile_direct(const float* x, int64_t K, const W& w, int64_t t, float* out, int64_t ldo, int64_t n) {
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < NV; ++cv) acc[r][cv] = fzero();
@@ -287,10 +328,9 @@ void exact_tile_direct(const float* x, int64_t K, const Packed<S>& w, int64_t t,
     vf s[2][NV], m[2][NV];
     for (int cv = 0; cv < NV; ++cv) {
       base[cv] = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
-      const int64_t at = (panel_of(t, cv) * w.nsb + b * (32 / BS)) * PANEL + lane0_of(cv);
-      s[0][cv] = fload(w.scale + at), m[0][cv] = fload(w.min + at);
-      s[1][cv] = BS == 32 ? s[0][cv] : fload(w.scale + at + PANEL);
-      m[1][cv] = BS == 32 ? m[0][cv] : fload(w.min + at + PANEL);
+      w.template scale_min<BS>(panel_of(t, cv), b * (32 / BS), lane0_of(cv), s[0][cv], m[0][cv]);
+      if constexpr (BS == 16) w.template scale_min<BS>(panel_of(t, cv), 2 * b + 1, lane0_of(cv), s[1][cv], m[1][cv]);
+      else s[1][cv] = s[0][cv], m[1][cv] = m[0][cv];
     }
     auto half = [&](auto h) {
       constexpr int HALF = decltype(h)::value;
@@ -381,9 +421,23 @@ void check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Ten
   const int64_t panels = qpacked.size(0);
   TORCH_CHECK(n > panels * PANEL - CT && n <= panels * PANEL, "quant_gemm: n=", n, " does not fit ", panels,
               " panels");
+  if (scales.scalar_type() == at::kChar) {  // the K-quant form
+    TORCH_CHECK(K % SUPER == 0, "quant_gemm: K-quant scales need K a multiple of ", SUPER, ", got ", K);
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == panels &&
+                    scales.size(1) == K / block && (scales.size(2) == 1 || scales.size(2) == 2) &&
+                    scales.size(3) == PANEL,
+                "quant_gemm: int8 scales must be a contiguous [panels, K/block, 1 or 2, 16] tensor, got ",
+                scales.sizes());
+    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.dim() == 4 &&
+                    mins.size(0) == panels && mins.size(1) == K / SUPER && mins.size(2) == 2 &&
+                    mins.size(3) == PANEL,
+                "quant_gemm: with int8 scales, mins must be the float32 super-block factors [panels, K/256, 2, 16]"
+                ", got ", mins.scalar_type(), " ", mins.sizes());
+    return;
+  }
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   mins.scalar_type() == scales.scalar_type(),
-              "quant_gemm: scales and mins must be both float32 or both float16");
+              "quant_gemm: scales and mins must be both float32 or both float16 (or int8 and float32)");
   for (const at::Tensor* s : {&scales, &mins}) {
     TORCH_CHECK(s->is_contiguous() && s->dim() == 3 && s->size(0) == panels && s->size(1) == K / block &&
                     s->size(2) == PANEL,
@@ -391,13 +445,15 @@ void check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Ten
   }
 }
 
-// f(Packed<S>) for the type the scales are stored in.
+// f(Packed<S>) for the type the scales are stored in, f(KPacked) for the K-quant form.
 template <typename F>
 void with_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales, const at::Tensor& mins,
                  int64_t bits, int64_t block, F&& f) {
   const int64_t K = x2.size(1), block_bytes = PANEL * 32 * bits / 8;
   const uint8_t* q = qpacked.data_ptr<uint8_t>();
-  if (scales.scalar_type() == at::kHalf) {
+  if (scales.scalar_type() == at::kChar) {
+    f(KPacked{q, scales.data_ptr<int8_t>(), mins.data_ptr<float>(), K / 32, K / block, block_bytes, scales.size(2)});
+  } else if (scales.scalar_type() == at::kHalf) {
     f(Packed<uint16_t>{q, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                        reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), K / 32, K / block, block_bytes});
   } else {
@@ -416,8 +472,8 @@ struct DecodedTile {
   int64_t tile = -1;
 };
 
-template <int BITS, int BS, typename S>
-void exact_impl(const float* x, int64_t M, int64_t K, const Packed<S>& w, int64_t tiles, float* out, int64_t n) {
+template <int BITS, int BS, typename W>
+void exact_impl(const float* x, int64_t M, int64_t K, const W& w, int64_t tiles, float* out, int64_t n) {
   if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
     at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
@@ -447,8 +503,8 @@ void exact_impl(const float* x, int64_t M, int64_t K, const Packed<S>& w, int64_
       });
 }
 
-template <int BITS, int BS, typename S>
-void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const Packed<S>& w, int64_t tiles, float* out, int64_t n) {
+template <int BITS, int BS, typename W>
+void a8_impl(const QuantizedX& xq, int64_t M, int64_t K, const W& w, int64_t tiles, float* out, int64_t n) {
   run_units<MR_A8>(
       M, tiles, [] { return 0; }, [](int64_t, int) {},
       [&](auto rows, int64_t m, int64_t t, int) {

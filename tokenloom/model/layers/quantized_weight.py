@@ -12,6 +12,11 @@ fast many-row kernels read (csrc/quant_gemm.cpp), and drops the row-major copy: 
 stay the same. Everything else still works on the interleaved form (rows are read back out of it for
 an embedding lookup; sharding it again rebuilds the row-major blocks).
 
+A K-quant (Q4_K, Q5_K, Q6_K) also keeps its scales as the file has them (`SuperBlocks`: an integer per
+block times a float per 256 values), carried through sharding and merging, so that its panels hold those
+instead of a float32 scale and min a block (tokenloom/kernels/quant.py `interleave`): a Q4_K weight then
+costs 4.75 bits a value instead of 6, a Q6_K one 8.75 instead of 12, for the very same products.
+
 `QuantizedSlot` stands in for a layer's `weight` while the checkpoint loads: the parallel layers'
 `load` code narrows it and copies pieces into it as into a tensor, and `finalize` assembles the
 pieces (a merged QKV of Q4_K and Q6_K parts converts both, losslessly, to their common form).
@@ -22,6 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+SUPER_BLOCK = 256  # values a K-quant super-block (tokenloom/kernels/quant.py SUPER_BLOCK)
+
 
 def _quant_ops():
     """tokenloom.kernels.quant, on first use: importing it loads (or builds) the native library, and the loader
@@ -31,11 +38,48 @@ def _quant_ops():
 
 
 @dataclass
+class SuperBlocks:
+    """A K-quant's block scales and mins as integers times super-block factors (quant.super_block_scales)."""
+    sub: torch.Tensor      # int8 [N, K/block_size, 2]: each block's sc and m
+    factors: torch.Tensor  # float32 [N, K/256, 2]: each super-block's d and dm
+
+    def rows(self, index: slice | torch.Tensor) -> SuperBlocks:
+        return SuperBlocks(self.sub[index], self.factors[index])
+
+    def columns(self, start: int, length: int, block_size: int) -> SuperBlocks | None:
+        """Columns [start, start + length) of the weight: whole super-blocks, else None (plain floats)."""
+        if start % SUPER_BLOCK or length % SUPER_BLOCK:
+            return None
+        s0 = start // SUPER_BLOCK
+        return SuperBlocks(self.sub[:, start // block_size:(start + length) // block_size],
+                           self.factors[:, s0:s0 + length // SUPER_BLOCK])
+
+    def widened(self, repeat: int) -> SuperBlocks:
+        """Each block as `repeat` smaller ones (QuantizedWeight.in_form)."""
+        return SuperBlocks(self.sub.repeat_interleave(repeat, dim=1), self.factors)
+
+    def contiguous(self) -> SuperBlocks:
+        return SuperBlocks(self.sub.contiguous(), self.factors.contiguous())
+
+    def zeros(self, rows: int) -> SuperBlocks:
+        return SuperBlocks(self.sub.new_zeros((rows, *self.sub.shape[1:])),
+                           self.factors.new_zeros((rows, *self.factors.shape[1:])))
+
+    @staticmethod
+    def cat(parts: list[SuperBlocks | None]) -> SuperBlocks | None:
+        if any(p is None for p in parts):
+            return None
+        return SuperBlocks(torch.cat([p.sub for p in parts]), torch.cat([p.factors for p in parts]))
+
+
+@dataclass
 class Panels:
     """The column-interleaved form (tokenloom/kernels/quant.py `interleave`) of an [N, K] weight."""
     qpacked: torch.Tensor  # uint8 [P, K/32, 16*32*bits/8], P = N padded to 32, over 16
-    scales: torch.Tensor   # float16 where exact (quant.compact_scales), else float32 [P, K/block_size, 16]
-    mins: torch.Tensor     # the same dtype as scales [P, K/block_size, 16]
+    scales: torch.Tensor   # float16 where exact (quant.compact_scales), else float32 [P, K/block_size, 16];
+    #                        a K-quant's: int8 [P, K/block_size, 1 or 2, 16] (SuperBlocks.sub)
+    mins: torch.Tensor     # the same dtype as scales [P, K/block_size, 16]; a K-quant's: float32
+    #                        [P, K/256, 2, 16] (SuperBlocks.factors)
     columns: int           # N
 
 
@@ -48,6 +92,7 @@ class QuantizedWeight:
     block_size: int               # 32, or 16 for 8-bit
     activations_int8: bool = False  # the W4A8 path (else exact: float32 activations)
     panels: Panels | None = None    # the interleaved form, when built
+    super_blocks: SuperBlocks | None = None  # a K-quant's scales as the file has them (row-major form only)
 
     is_mkldnn = False
     dtype = torch.float32  # what it multiplies like
@@ -61,6 +106,8 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         tensors = [self.qweight, self.scales, self.mins]
+        if self.super_blocks is not None:
+            tensors += [self.super_blocks.sub, self.super_blocks.factors]
         if self.panels is not None:
             tensors += [self.panels.qpacked, self.panels.scales, self.panels.mins]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -74,34 +121,39 @@ class QuantizedWeight:
         """This weight holding only the interleaved form (the many-row kernels'; same bytes)."""
         if self.qweight is None:
             return self
+        k = self.super_blocks
         qpacked, scales, mins = _quant_ops().interleave(self.qweight, self.scales, self.mins, self.bits,
-                                                        self.block_size)
-        return replace(self, qweight=None, scales=None, mins=None,
+                                                        self.block_size, *((k.sub, k.factors) if k else ()))
+        return replace(self, qweight=None, scales=None, mins=None, super_blocks=None,
                        panels=Panels(qpacked, scales, mins, self.qweight.shape[0]))
 
     def row_major(self) -> QuantizedWeight:
         """This weight in row-major blocks (rebuilt from the panels when only they are kept)."""
         if self.qweight is not None:
             return replace(self, panels=None) if self.panels is not None else self
+        return self._from_panels(torch.arange(self.panels.columns))
+
+    def _from_panels(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows `index` of the panels, in row-major blocks."""
         quant, p = _quant_ops(), self.panels
-        q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, torch.arange(p.columns))
+        q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, index)
+        k = SuperBlocks(*quant.panel_super_blocks(p.scales, p.mins, index)) if p.scales.dtype == torch.int8 else None
         return replace(self, qweight=quant.pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
-                       panels=None)
+                       panels=None, super_blocks=k)
 
     # ---- sharding --------------------------------------------------------------
     def rows(self, start: int, size: int) -> QuantizedWeight:
         w = self.row_major()
-        return replace(w, qweight=w.qweight[start:start + size], scales=w.scales[start:start + size],
-                       mins=w.mins[start:start + size])
+        span = slice(start, start + size)
+        return replace(w, qweight=w.qweight[span], scales=w.scales[span], mins=w.mins[span],
+                       super_blocks=w.super_blocks and w.super_blocks.rows(span))
 
     def index_rows(self, index: torch.Tensor) -> QuantizedWeight:
         if self.qweight is None:
-            quant, p = _quant_ops(), self.panels
-            q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, index)
-            return replace(self, qweight=quant.pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
-                           panels=None)
+            return self._from_panels(index)
         w = self.row_major()
-        return replace(w, qweight=w.qweight[index], scales=w.scales[index], mins=w.mins[index])
+        return replace(w, qweight=w.qweight[index], scales=w.scales[index], mins=w.mins[index],
+                       super_blocks=w.super_blocks and w.super_blocks.rows(index))
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight | torch.Tensor:
         if dim == 0:
@@ -114,7 +166,8 @@ class QuantizedWeight:
         per = self.bits // 4  # half-bytes an element
         b0, nb = start // self.block_size, length // self.block_size
         return replace(w, qweight=w.qweight[:, start * per // 2:(start + length) * per // 2],
-                       scales=w.scales[:, b0:b0 + nb], mins=w.mins[:, b0:b0 + nb])
+                       scales=w.scales[:, b0:b0 + nb], mins=w.mins[:, b0:b0 + nb],
+                       super_blocks=w.super_blocks and w.super_blocks.columns(start, length, self.block_size))
 
     def __getitem__(self, rows: slice) -> QuantizedWeight:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
@@ -136,11 +189,13 @@ class QuantizedWeight:
         q = w.unpacked() if bits == 8 else w.qweight
         repeat = self.block_size // block_size
         return replace(w, qweight=q.contiguous(), scales=w.scales.repeat_interleave(repeat, dim=1),
-                       mins=w.mins.repeat_interleave(repeat, dim=1), bits=bits, block_size=block_size)
+                       mins=w.mins.repeat_interleave(repeat, dim=1), bits=bits, block_size=block_size,
+                       super_blocks=w.super_blocks and w.super_blocks.widened(repeat))
 
     def contiguous(self) -> QuantizedWeight:
         w = self.row_major()
-        return replace(w, qweight=w.qweight.contiguous(), scales=w.scales.contiguous(), mins=w.mins.contiguous())
+        return replace(w, qweight=w.qweight.contiguous(), scales=w.scales.contiguous(), mins=w.mins.contiguous(),
+                       super_blocks=w.super_blocks and w.super_blocks.contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.row_major()
@@ -192,7 +247,7 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     parts = [w.in_form(bits, block) for w in weights]
     first = parts[0]
     return replace(first, qweight=torch.cat([p.qweight for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                   mins=torch.cat([p.mins for p in parts]))
+                   mins=torch.cat([p.mins for p in parts]), super_blocks=SuperBlocks.cat([p.super_blocks for p in parts]))
 
 
 class QuantizedSlot:
@@ -274,5 +329,6 @@ def _zeros_like_piece(piece, rows: int):
     if isinstance(piece, QuantizedWeight):
         return replace(piece, qweight=piece.qweight.new_zeros((rows, piece.qweight.shape[1])),
                        scales=piece.scales.new_zeros((rows, piece.scales.shape[1])),
-                       mins=piece.mins.new_zeros((rows, piece.mins.shape[1])))
+                       mins=piece.mins.new_zeros((rows, piece.mins.shape[1])),
+                       super_blocks=piece.super_blocks and piece.super_blocks.zeros(rows))
     return piece.new_zeros((rows, piece.shape[1]))

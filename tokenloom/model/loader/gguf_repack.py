@@ -13,15 +13,19 @@ Every supported type is read as unsigned values q with a float32 scale and min p
 The products d*sc are exact in float32 (11-bit by 8-bit mantissas), and the kernel forms q*scale + min with
 one rounding, so each weight equals the `gguf` package's dequantized value or is one float32 ulp from it
 (Q4_1/K-quants, whose reference rounds twice); Q4_0, Q5_0, Q8_0 and Q6_K match bit for bit.
+K-quants also keep those factors (`SuperBlocks`: sc and m as int8 a sub-block, d and -dmin, or d and -32d,
+a super-block), which the interleaved form stores instead of the float32 products.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 from gguf.quants import Q4_K
 
 from tokenloom.kernels.quant import pack_nibbles
-from tokenloom.model.layers.quantized_weight import QuantizedWeight
+from tokenloom.model.layers.quantized_weight import QuantizedWeight, SuperBlocks
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -58,11 +62,18 @@ def repack_q5_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
     return _weight(q, d, -16.0 * d, rows, 8, 32)
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per 32-value sub-block of a Q4_K/Q5_K super-block: (d*sc, -dmin*m), float32 [n, 8]."""
+def _super_blocks(sc: np.ndarray, m: np.ndarray, d: np.ndarray, dm: np.ndarray, rows: int) -> SuperBlocks:
+    """sc, m: [n, blocks] integers; d, dm: [n, 1] float32 (n super-blocks, row by row)."""
+    sub = torch.from_numpy(np.stack([sc, m], axis=-1).astype(np.int8))
+    factors = torch.from_numpy(np.concatenate([d, dm], axis=-1).astype(np.float32))
+    return SuperBlocks(sub.reshape(rows, -1, 2), factors.reshape(rows, -1, 2))
+
+
+def _k_scales(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, SuperBlocks]:
+    """Per 32-value sub-block of a Q4_K/Q5_K super-block: (d*sc, -dmin*m) float32 [n, 8], and the factors."""
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32)), _super_blocks(sc, m, d, -dmin, rows)
 
 
 def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -73,23 +84,24 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def repack_q4_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
-    scale, minimum = _k_scales(blocks)
+    scale, minimum, factors = _k_scales(blocks, rows)
     q = torch.from_numpy(_k_low_nibbles(blocks[:, 16:144])).reshape(rows, -1)
-    return _weight(pack_nibbles(q).numpy(), scale, minimum, rows, 4, 32)
+    return replace(_weight(pack_nibbles(q).numpy(), scale, minimum, rows, 4, 32), super_blocks=factors)
 
 
 def repack_q5_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
-    scale, minimum = _k_scales(blocks)
+    scale, minimum, factors = _k_scales(blocks, rows)
     n = blocks.shape[0]
     qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     q = _k_low_nibbles(blocks[:, 48:176]) | ((qh & np.uint8(1)) << np.uint8(4))
-    return _weight(q, scale, minimum, rows, 8, 32)
+    return replace(_weight(q, scale, minimum, rows, 8, 32), super_blocks=factors)
 
 
 def repack_q6_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
     n = blocks.shape[0]
     ql, qh = blocks[:, 0:128], blocks[:, 128:192]
-    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    sc_int = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+    sc = sc_int.astype(np.float32)
     d = _f16(blocks[:, 208:210])
     scale = d * sc  # [n, 16]
     low = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -97,7 +109,8 @@ def repack_q6_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
     high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high & np.uint8(0x03)).reshape(n, 2, 4, 32)
     q = (low | (high << np.uint8(4))).reshape(n, 256)
-    return _weight(q, scale, -32.0 * scale, rows, 8, 16)
+    factors = _super_blocks(sc_int, sc_int, d, -32.0 * d, rows)
+    return replace(_weight(q, scale, -32.0 * scale, rows, 8, 16), super_blocks=factors)
 
 
 _REPACK = {"Q4_0": (repack_q4_0, 32, 18), "Q4_1": (repack_q4_1, 32, 20), "Q8_0": (repack_q8_0, 32, 34),

@@ -3,7 +3,7 @@
 The native kernels cannot multiply GGUF blocks in the file's layout: every quantized weight is repacked
 once into the column-interleaved panels they read (tokenloom/kernels/quant.py `interleave`), which took
 most of a 1B model's load. This file holds exactly that loaded form (each weight's panels with their
-float16-compacted or float32 scales, and every other parameter), page-aligned, so a warm start maps it
+float16-compacted, K-quant or float32 scales, and every other parameter), page-aligned, so a warm start maps it
 and hands the kernels views of the mapping: nothing is parsed, repacked or copied, the pages are the page
 cache's (shared by every process that maps the file), and the start touches no more memory than the
 weights. With huge pages on (tokenloom/model/huge_pages.py) the loader then copies the panels into one
@@ -36,7 +36,8 @@ from tokenloom.model.layers.quantized_linear import QUANTIZED, set_quantized_mat
 from tokenloom.model.layers.quantized_weight import Panels, QuantizedWeight
 from tokenloom.model.loader import weight_cache
 
-LAYOUT = 1  # bump when the panel layout (kernels/quant.py interleave) or this file's format changes
+LAYOUT = 2  # bump when the panel layout (kernels/quant.py interleave) or this file's format changes
+# 2: K-quants' scales as int8 sub-block integers and float32 super-block factors
 MAGIC = b"TLPANEL1"
 PAGE = 4096
 HEADER_ROOM = 1 << 20  # before the first tensor; a 3B model's header takes 40 KiB
