@@ -13,8 +13,14 @@ import torch
 from skip_policy import require_kernels
 from test_kernels_quant import A8_TOL, EXACT_TOL, _rel
 
-from tokenloom.kernels.quant import (interleave, panel_rows, quant_matmul_a8_reference, quant_matmul_reference,
-                                     super_block_scales, unpacked)
+from tokenloom.kernels.quant import (
+    interleave,
+    panel_rows,
+    quant_matmul_a8_reference,
+    quant_matmul_reference,
+    super_block_scales,
+    unpacked,
+)
 from tokenloom.model.layers.quantized_weight import cat_rows
 from tokenloom.model.loader.gguf_repack import repack
 

@@ -180,7 +180,8 @@ def panel_rows(qpacked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     return got.reshape(rows.shape[0], -1), row_scales, row_mins
 
 
-def panel_super_blocks(scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def panel_super_blocks(scales: torch.Tensor, mins: torch.Tensor,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `rows` of a K-quant form's panels as (sub int8 [R, K/block, 2], factors float32 [R, K/256, 2])."""
     panel, lane = rows // PANEL, rows % PANEL
     sub = scales[panel, ..., lane]  # [R, K/block, C]

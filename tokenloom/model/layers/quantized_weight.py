@@ -247,7 +247,8 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     parts = [w.in_form(bits, block) for w in weights]
     first = parts[0]
     return replace(first, qweight=torch.cat([p.qweight for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                   mins=torch.cat([p.mins for p in parts]), super_blocks=SuperBlocks.cat([p.super_blocks for p in parts]))
+                   mins=torch.cat([p.mins for p in parts]),
+                   super_blocks=SuperBlocks.cat([p.super_blocks for p in parts]))
 
 
 class QuantizedSlot:
