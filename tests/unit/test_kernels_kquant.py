@@ -43,8 +43,9 @@ def _plain_panels(w):
     return interleave(w.qweight, w.scales, w.mins, w.bits, w.block_size)
 
 
-def _k_panels(w):
-    return interleave(w.qweight, w.scales, w.mins, w.bits, w.block_size, w.super_blocks.sub, w.super_blocks.factors)
+def _k_panels(w, bits=None):
+    return interleave(w.qweight, w.scales, w.mins, bits or w.bits, w.block_size, w.super_blocks.sub,
+                      w.super_blocks.factors)
 
 
 def _ops():
@@ -79,6 +80,32 @@ def test_a_q4_k_weight_takes_under_five_bits_a_value_in_panels():
     assert bits == 4.75 and plain == 6.0
 
 
+def test_a_q6_k_weight_takes_under_seven_bits_a_value_in_its_panels():
+    w = _k_weight("Q6_K", rows=64, cols=4096).interleaved()
+    assert w.bits == 6
+    assert w.nbytes * 8 / (64 * 4096) == 6.75
+
+
+@pytest.mark.parametrize("type_name,bits", [("Q4_K", 4), ("Q5_K", 6), ("Q6_K", 6)])
+def test_panels_take_six_bits_where_every_value_fits_them(type_name, bits):
+    assert _k_weight(type_name).interleaved().bits == bits
+
+
+def test_eight_bit_values_of_64_and_over_stay_bytes():
+    w = _k_weight("Q6_K")
+    w.qweight[5, 7] = 64
+    assert w.interleaved().bits == 8
+
+
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q6_K"])
+def test_rows_read_back_from_six_bit_panels_are_the_row_major_bytes(type_name):
+    w = _k_weight(type_name)
+    rows = torch.tensor([0, 15, 16, 36, 3, 3])
+    q, scales, mins = panel_rows(*_k_panels(w, 6), 6, rows)
+    assert torch.equal(q, w.qweight[rows])
+    assert torch.equal(scales, w.scales[rows]) and torch.equal(mins, w.mins[rows])
+
+
 def test_scales_the_factors_do_not_give_exactly_keep_the_plain_form():
     w = _k_weight("Q4_K")
     wrong = w.super_blocks.factors.clone()
@@ -102,7 +129,7 @@ def test_a_merged_q4_k_and_q6_k_weight_keeps_the_k_quant_form():
     merged = cat_rows([q, v])
     assert (merged.bits, merged.block_size) == (8, 16)
     packed = merged.interleaved()
-    assert packed.panels.scales.dtype == torch.int8 and packed.panels.scales.shape[2] == 2
+    assert packed.bits == 6 and packed.panels.scales.dtype == torch.int8 and packed.panels.scales.shape[2] == 2
     assert torch.equal(packed.dequantize(), merged.dequantize())
 
 
@@ -113,6 +140,16 @@ def test_a_k_quant_weight_sharded_on_super_block_edges_keeps_its_factors():
     assert w.narrow(1, 256, 256).interleaved().panels.scales.dtype == torch.int8
     assert w.narrow(1, 32, 64).interleaved().panels.scales.dtype == torch.float32
     assert torch.equal(w.rows(3, 20).dequantize(), w.row_major().rows(3, 20).dequantize())
+
+
+def test_a_six_bit_panel_weight_shards_and_reads_back_as_bytes():
+    w = _k_weight("Q6_K")
+    packed = w.interleaved()
+    assert packed.row_major().bits == 8 and torch.equal(packed.row_major().qweight, w.qweight)
+    assert torch.equal(packed.rows(3, 20).dequantize(), w.rows(3, 20).dequantize())
+    assert torch.equal(packed.narrow(1, 256, 256).dequantize(), w.narrow(1, 256, 256).dequantize())
+    ids = torch.tensor([[4, 36], [0, 4]])
+    assert torch.equal(packed.embedding(ids), w.embedding(ids))
 
 
 # ---- the kernels ---------------------------------------------------------------------------------------
@@ -127,6 +164,28 @@ def test_k_quant_panels_give_the_plain_panels_products_bit_for_bit(op, type_name
         x = torch.randn(rows, K)
         assert torch.equal(fn(x, *k_form, COLUMNS, w.bits, w.block_size),
                            fn(x, *plain, COLUMNS, w.bits, w.block_size)), rows
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("op", ["quant_gemm", "quant_gemm_a8"])
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q6_K"])
+def test_six_bit_panels_give_the_byte_panels_products_bit_for_bit(op, type_name):
+    fn = getattr(_ops(), op)
+    w = _k_weight(type_name, seed=4)
+    six, plain = _k_panels(w, 6), _plain_panels(w)
+    for rows in (1, 2, 3, 5, 16, 130):
+        x = torch.randn(rows, K)
+        assert torch.equal(fn(x, *six, COLUMNS, 6, w.block_size), fn(x, *plain, COLUMNS, 8, w.block_size)), rows
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_merged_q4_k_and_q6_k_weight_multiplies_as_its_row_major_blocks(int8):
+    _ops()
+    merged = cat_rows([_k_weight("Q4_K", rows=64, seed=1), _k_weight("Q6_K", rows=32, seed=2)])
+    merged.activations_int8 = int8
+    x = torch.randn(3, K)
+    assert _rel(merged.interleaved().linear(x), merged.linear(x)) < (A8_TOL if int8 else EXACT_TOL)
 
 
 @pytest.mark.kernels

@@ -113,6 +113,14 @@ PANEL = 16          # output columns side by side in the interleaved form (one 5
 TILE_COLUMNS = 32   # columns a kernel tile: the interleaved N is padded to a multiple of it
 
 
+def panel_bits(qweight: torch.Tensor, bits: int) -> int:
+    """The bits a weight's panels take: 6 for 8-bit values that all fit 6 bits (Q6_K's, Q5_K's, Q5_0's, and a
+    merged Q4_K + Q6_K projection's), which cuts a Q6_K weight's bytes by a quarter; else `bits`."""
+    if bits == 8 and qweight.numel() and int(qweight.max()) < 64:
+        return 6
+    return bits
+
+
 def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
                block_size: int, sub: torch.Tensor | None = None,
                factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,7 +128,9 @@ def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
 
     P = N padded to 32, over 16. Per (panel, 32-block), 8-bit: group g (64 bytes) holds each column's
     elements 4g..4g+3 in its 4 bytes, columns side by side; 4-bit: 4 groups whose low nibbles are groups
-    0..3 of the 8-bit form and high nibbles groups 4..7 (csrc/quant_gemm.cpp reads it so).
+    0..3 of the 8-bit form and high nibbles groups 4..7 (csrc/quant_gemm.cpp reads it so); 6-bit (from
+    bytes below 64): the 4-bit form of the low nibbles, then per half block one group of the top 2 bits,
+    each lane's byte j holding those of the half's elements 4g+j at bits 2g..2g+1.
 
     With a K-quant's `sub` and `factors` (`super_block_scales`) that give `scales` and `mins` bit for bit,
     the scales are those integers, int8 [P, K/block, C, 16], and the mins the factors, float32
@@ -139,7 +149,13 @@ def interleave(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
         scales, mins = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, mins))
     panels = (n + pad) // PANEL
     groups = q.reshape(panels, PANEL, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [P, K/32, group, column, byte]
-    if bits == 4:
+    if bits == 6:
+        top = (groups >> 4).reshape(panels, k // 32, 2, 4, PANEL, 4)  # [P, K/32, half, g, column, byte]
+        top = sum(top[:, :, :, g] << (2 * g) for g in range(4))
+        low = groups & 0xF
+        groups = torch.cat([(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(panels, k // 32, -1),
+                            top.reshape(panels, k // 32, -1)], dim=-1)
+    elif bits == 4:
         groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
     qpacked = groups.reshape(panels, k // 32, -1).contiguous()
     if k_form:
@@ -168,9 +184,15 @@ def panel_rows(qpacked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     """Weight rows (output columns) `rows` of the interleaved form: (uint8 [R, K] one element a byte,
     scales and mins [R, K/block]), the row-major form's `unpacked(...)[rows]`, `scales[rows]`, `mins[rows]`."""
     panels, nb = qpacked.shape[:2]
-    groups = qpacked.reshape(panels, nb, -1, PANEL, 4)
     panel, lane = rows // PANEL, rows % PANEL
-    got = groups[panel, :, :, lane]  # [R, K/32, groups, 4]
+    if bits == 6:
+        low, top = qpacked[..., :256], qpacked[..., 256:]
+        got, _, _ = panel_rows(low, scales, mins, 4, rows)
+        top = top.reshape(panels, nb, 2, 1, PANEL, 4)[panel, :, :, :, lane]  # [R, K/32, half, 1, 4]
+        top = (top >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3  # [R, K/32, half, g, 4]
+        got = got | (top.reshape(rows.shape[0], -1) << 4)
+    else:
+        got = qpacked.reshape(panels, nb, -1, PANEL, 4)[panel, :, :, lane]  # [R, K/32, groups, 4]
     if bits == 4:
         got = torch.cat([got & 0xF, got >> 4], dim=2)
     if scales.dtype == torch.int8:

@@ -7,6 +7,9 @@
 //            bytes 4c..4c+3: one 512-bit vector = one 32-bit lane per column, 4 K-values a lane;
 //     4-bit: 4 groups of 64 bytes; group g's low nibbles are elements 4g..4g+3 (group g of the 8-bit
 //            form), its high nibbles elements 16+4g..16+4g+3 (group g+4).
+//     6-bit (8-bit values below 64: Q6_K's, Q5_K's, Q5_0's): the 4-bit form of the values' low nibbles,
+//            then 2 vectors of their top 2 bits, one a half block (`load_group8`); 6.75 bits a Q6_K
+//            value with K-quant scales against the file's 6.56, where bytes would take 8.75.
 //   scales, mins float32 or float16 [N/16, K/block, 16]: one vector of 16 columns per block. float16 when
 //     every value is one exactly (GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 keep float16 block scales, and their
 //     mins are the scale times -8, -16 or -128): a batch-1 decode step of the embedded model reads 96
@@ -76,6 +79,9 @@ inline vi iset1(int32_t v) { return _mm512_set1_epi32(v); }
 inline vi iand(vi a, vi b) { return _mm512_and_si512(a, b); }
 template <int S> inline vi isrl32(vi a) { return _mm512_srli_epi32(a, S); }
 inline vi isrl16_4(vi a) { return _mm512_srli_epi16(a, 4); }
+inline vi isllv32(vi a, int n) { return _mm512_sllv_epi32(a, _mm512_set1_epi32(n)); }
+inline vi isrlv32(vi a, int n) { return _mm512_srlv_epi32(a, _mm512_set1_epi32(n)); }
+inline vi ior(vi a, vi b) { return _mm512_or_si512(a, b); }
 inline vi ibyte_set1(char v) { return _mm512_set1_epi8(v); }
 #else
 constexpr int VL = 8;
@@ -104,6 +110,9 @@ inline vi iset1(int32_t v) { return _mm256_set1_epi32(v); }
 inline vi iand(vi a, vi b) { return _mm256_and_si256(a, b); }
 template <int S> inline vi isrl32(vi a) { return _mm256_srli_epi32(a, S); }
 inline vi isrl16_4(vi a) { return _mm256_srli_epi16(a, 4); }
+inline vi isllv32(vi a, int n) { return _mm256_sllv_epi32(a, _mm256_set1_epi32(n)); }
+inline vi isrlv32(vi a, int n) { return _mm256_srlv_epi32(a, _mm256_set1_epi32(n)); }
+inline vi ior(vi a, vi b) { return _mm256_or_si256(a, b); }
 inline vi ibyte_set1(char v) { return _mm256_set1_epi8(v); }
 #endif
 
@@ -116,13 +125,13 @@ inline vi dot4(vi acc, vi w, vi x) {
   return _mm512_dpbusd_epi32(acc, w, x);
 #elif defined(__AVX512F__)
   const vi ones = _mm512_set1_epi16(1);
-  if constexpr (BITS == 4) return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
+  if constexpr (BITS <= 6) return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
   const vi low = _mm512_and_si512(w, _mm512_set1_epi8(0x7F)), top = _mm512_and_si512(w, _mm512_set1_epi8(char(0x80)));
   return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(low, x), ones),
                                                 _mm512_madd_epi16(_mm512_maddubs_epi16(top, x), ones)));
 #else
   const vi ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {  // 15 * 127 * 2 fits int16: maddubs does not saturate
+  if constexpr (BITS <= 6) {  // 63 * 127 * 2 fits int16: maddubs does not saturate
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
   } else {  // bytes up to 255 would saturate maddubs: the low 7 bits and the top bit apart
     const vi low = _mm256_and_si256(w, _mm256_set1_epi8(0x7F));
@@ -131,6 +140,22 @@ inline vi dot4(vi acc, vi w, vi x) {
                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones)));
   }
 #endif
+}
+
+// Group g + 4 * HALF of a block in the 8-bit form (its lanes' bytes: elements 16 HALF + 4g .. + 3), from an
+// 8-bit or a 6-bit block. 6-bit: the low nibbles are the 4-bit form (256 bytes), then two vectors of top bits
+// (one for each half of the block), byte j of a lane holding the top 2 bits of its element 16 HALF + 4g + j
+// at bits 2g..2g+1: shifted to bits 4..5 and masked, the neighbouring bytes' bits fall outside the mask.
+template <int BITS, int HALF>
+inline vi load_group8(const uint8_t* base, int g) {
+  if constexpr (BITS == 8) {
+    return iload(base + (g + 4 * HALF) * 64);
+  } else {
+    const vi v = iload(base + g * 64), h = iload(base + 256 + HALF * 64);
+    const vi low = HALF ? iand(isrl16_4(v), ibyte_set1(0x0F)) : iand(v, ibyte_set1(0x0F));
+    const vi top = g < 2 ? isllv32(h, 4 - 2 * g) : isrlv32(h, 2 * g - 4);
+    return ior(low, iand(top, ibyte_set1(0x30)));
+  }
 }
 
 // S: how the scales and mins are stored, float or uint16_t (float16 bits).
@@ -209,8 +234,8 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const W& w, int64_
           wl[cv] = iand(v, nib);
           wh[cv] = iand(isrl16_4(v), nib);
         } else {
-          wl[cv] = iload(base + g * 64);
-          wh[cv] = iload(base + (g + 4) * 64);
+          wl[cv] = load_group8<BITS, 0>(base, g);
+          wh[cv] = load_group8<BITS, 1>(base, g);
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -271,7 +296,7 @@ void decode_tile(const W& w, int64_t t, float* wbuf) {
           lo[2] = iand(isrl32<16>(v), nib), hi[2] = iand(isrl32<20>(v), nib);
           lo[3] = iand(isrl32<24>(v), nib), hi[3] = isrl32<28>(v);
         } else {
-          const vi vl = iload(base + g * 64), vh = iload(base + (g + 4) * 64);
+          const vi vl = load_group8<BITS, 0>(base, g), vh = load_group8<BITS, 1>(base, g);
           lo[0] = iand(vl, byte), hi[0] = iand(vh, byte);
           lo[1] = iand(isrl32<8>(vl), byte), hi[1] = iand(isrl32<8>(vh), byte);
           lo[2] = iand(isrl32<16>(vl), byte), hi[2] = iand(isrl32<16>(vh), byte);
@@ -342,7 +367,10 @@ void exact_tile_direct(const float* x, int64_t K, const W& w, int64_t t, float* 
       });
       for (int g = 0; g < 4; ++g) {
         vi v[NV];
-        for (int cv = 0; cv < NV; ++cv) v[cv] = iload(base[cv] + (BITS == 4 ? g : g + 4 * HALF) * 64);
+        for (int cv = 0; cv < NV; ++cv) {
+          if constexpr (BITS == 4) v[cv] = iload(base[cv] + g * 64);
+          else v[cv] = load_group8<BITS, HALF>(base[cv], g);
+        }
         unroll4([&](auto j) {
           constexpr int J = decltype(j)::value;
           vf wv[NV];
@@ -408,8 +436,8 @@ void run_units(int64_t M, int64_t tiles, MakeState make_state, Prepare prepare, 
 
 void check_packed(const at::Tensor& x2, const at::Tensor& qpacked, const at::Tensor& scales,
                   const at::Tensor& mins, int64_t n, int64_t bits, int64_t block) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(block == 32 || (block == 16 && bits == 8), "quant_gemm: unsupported block size ", block, " for ",
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant_gemm: bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(block == 32 || (block == 16 && bits != 4), "quant_gemm: unsupported block size ", block, " for ",
               bits, "-bit weights");
   const int64_t K = x2.size(1);
   TORCH_CHECK(K % 32 == 0, "quant_gemm: K must be a multiple of 32, got ", K);
@@ -525,6 +553,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qpacked, const at::
   float* o = out.data_ptr<float>();
   with_packed(x2, qpacked, scales, mins, bits, block, [&](const auto& w) {
     if (bits == 4) exact_impl<4, 32>(xp, M, K, w, tiles, o, n);
+    else if (bits == 6 && block == 32) exact_impl<6, 32>(xp, M, K, w, tiles, o, n);
+    else if (bits == 6) exact_impl<6, 16>(xp, M, K, w, tiles, o, n);
     else if (block == 32) exact_impl<8, 32>(xp, M, K, w, tiles, o, n);
     else exact_impl<8, 16>(xp, M, K, w, tiles, o, n);
   });
@@ -544,6 +574,8 @@ at::Tensor quant_gemm_a8(const at::Tensor& x, const at::Tensor& qpacked, const a
   float* o = out.data_ptr<float>();
   with_packed(x2, qpacked, scales, mins, bits, block, [&](const auto& w) {
     if (bits == 4) a8_impl<4, 32>(xq, M, K, w, tiles, o, n);
+    else if (bits == 6 && block == 32) a8_impl<6, 32>(xq, M, K, w, tiles, o, n);
+    else if (bits == 6) a8_impl<6, 16>(xq, M, K, w, tiles, o, n);
     else if (block == 32) a8_impl<8, 32>(xq, M, K, w, tiles, o, n);
     else a8_impl<8, 16>(xq, M, K, w, tiles, o, n);
   });

@@ -37,6 +37,11 @@ def _quant_ops():
     return quant
 
 
+def row_major_bits(bits: int) -> int:
+    """The row-major form's bits of a weight whose panels hold `bits` (6-bit panels come from bytes)."""
+    return 8 if bits == 6 else bits
+
+
 @dataclass
 class SuperBlocks:
     """A K-quant's block scales and mins as integers times super-block factors (quant.super_block_scales)."""
@@ -88,7 +93,7 @@ class QuantizedWeight:
     qweight: torch.Tensor | None  # uint8 [N, K * bits / 8]; None once only the interleaved form is kept
     scales: torch.Tensor | None   # float32 [N, K / block_size]
     mins: torch.Tensor | None     # float32 [N, K / block_size]
-    bits: int                     # 4 or 8
+    bits: int                     # 4 or 8; 6 in panels whose 8-bit values all fit 6 bits (quant.panel_bits)
     block_size: int               # 32, or 16 for 8-bit
     activations_int8: bool = False  # the W4A8 path (else exact: float32 activations)
     panels: Panels | None = None    # the interleaved form, when built
@@ -122,9 +127,10 @@ class QuantizedWeight:
         if self.qweight is None:
             return self
         k = self.super_blocks
-        qpacked, scales, mins = _quant_ops().interleave(self.qweight, self.scales, self.mins, self.bits,
+        bits = _quant_ops().panel_bits(self.qweight, self.bits)
+        qpacked, scales, mins = _quant_ops().interleave(self.qweight, self.scales, self.mins, bits,
                                                         self.block_size, *((k.sub, k.factors) if k else ()))
-        return replace(self, qweight=None, scales=None, mins=None, super_blocks=None,
+        return replace(self, qweight=None, scales=None, mins=None, super_blocks=None, bits=bits,
                        panels=Panels(qpacked, scales, mins, self.qweight.shape[0]))
 
     def row_major(self) -> QuantizedWeight:
@@ -139,7 +145,7 @@ class QuantizedWeight:
         q, scales, mins = quant.panel_rows(p.qpacked, p.scales, p.mins, self.bits, index)
         k = SuperBlocks(*quant.panel_super_blocks(p.scales, p.mins, index)) if p.scales.dtype == torch.int8 else None
         return replace(self, qweight=quant.pack_nibbles(q) if self.bits == 4 else q, scales=scales, mins=mins,
-                       panels=None, super_blocks=k)
+                       panels=None, super_blocks=k, bits=row_major_bits(self.bits))
 
     # ---- sharding --------------------------------------------------------------
     def rows(self, start: int, size: int) -> QuantizedWeight:
@@ -163,7 +169,7 @@ class QuantizedWeight:
         if start % self.block_size or length % self.block_size:  # not on block edges: the dense slice
             return self.dequantize().narrow(1, start, length)
         w = self.row_major()
-        per = self.bits // 4  # half-bytes an element
+        per = w.bits // 4  # half-bytes an element
         b0, nb = start // self.block_size, length // self.block_size
         return replace(w, qweight=w.qweight[:, start * per // 2:(start + length) * per // 2],
                        scales=w.scales[:, b0:b0 + nb], mins=w.mins[:, b0:b0 + nb],
@@ -177,15 +183,16 @@ class QuantizedWeight:
 
     def unpacked(self) -> torch.Tensor:
         """uint8 [N, K], one element a byte."""
-        return _quant_ops().unpacked(self.row_major().qweight, self.bits)
+        w = self.row_major()
+        return _quant_ops().unpacked(w.qweight, w.bits)
 
     def in_form(self, bits: int, block_size: int) -> QuantizedWeight:
         """The same weights as `bits`/`block_size` blocks (only widening: 4->8 bits, 32->16 blocks)."""
         w = self.row_major()
-        if (bits, block_size) == (self.bits, self.block_size):
+        if (bits, block_size) == (w.bits, w.block_size):
             return w
-        if bits < self.bits or block_size > self.block_size:
-            raise ValueError(f"cannot narrow {self.bits}-bit/{self.block_size} blocks to {bits}-bit/{block_size}")
+        if bits < w.bits or block_size > w.block_size:
+            raise ValueError(f"cannot narrow {w.bits}-bit/{w.block_size} blocks to {bits}-bit/{block_size}")
         q = w.unpacked() if bits == 8 else w.qweight
         repeat = self.block_size // block_size
         return replace(w, qweight=q.contiguous(), scales=w.scales.repeat_interleave(repeat, dim=1),
@@ -199,7 +206,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.row_major()
-        return _quant_ops().dequantize(w.qweight, w.scales, w.mins, self.bits, self.block_size).to(dtype)
+        return _quant_ops().dequantize(w.qweight, w.scales, w.mins, w.bits, w.block_size).to(dtype)
 
     def to(self, target) -> QuantizedWeight | torch.Tensor:
         """A device: this weight (CPU only); a dtype: the dense weight in it (the matmul-dtype modes)."""
@@ -239,7 +246,7 @@ def embedding_lookup(ids: torch.Tensor, weight: QuantizedWeight | torch.Tensor) 
 
 
 def common_form(weights: list[QuantizedWeight]) -> tuple[int, int]:
-    return max(w.bits for w in weights), min(w.block_size for w in weights)
+    return max(row_major_bits(w.bits) for w in weights), min(w.block_size for w in weights)
 
 
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
