@@ -185,15 +185,12 @@ def panel_rows(qpacked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     scales and mins [R, K/block]), the row-major form's `unpacked(...)[rows]`, `scales[rows]`, `mins[rows]`."""
     panels, nb = qpacked.shape[:2]
     panel, lane = rows // PANEL, rows % PANEL
-    if bits == 6:
-        low, top = qpacked[..., :256], qpacked[..., 256:]
-        got, _, _ = panel_rows(low, scales, mins, 4, rows)
-        top = top.reshape(panels, nb, 2, 1, PANEL, 4)[panel, :, :, :, lane]  # [R, K/32, half, 1, 4]
-        top = (top >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3  # [R, K/32, half, g, 4]
-        got = got | (top.reshape(rows.shape[0], -1) << 4)
-    else:
-        got = qpacked.reshape(panels, nb, -1, PANEL, 4)[panel, :, :, lane]  # [R, K/32, groups, 4]
-    if bits == 4:
+    got = qpacked.reshape(panels, nb, -1, PANEL, 4)[panel, :, :, lane]  # [R, K/32, groups, 4]
+    if bits == 6:  # 4 groups of low nibbles, then a group of top bits a half block
+        top = got[:, :, 4:, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+        low = got[:, :, :4]
+        got = torch.cat([low & 0xF, low >> 4], dim=2) | ((top & 3).reshape(got.shape[0], nb, 8, 4) << 4)
+    elif bits == 4:
         got = torch.cat([got & 0xF, got >> 4], dim=2)
     if scales.dtype == torch.int8:
         row_scales, row_mins = super_block_scales(*panel_super_blocks(scales, mins, rows))
