@@ -3,7 +3,8 @@ step makes it, in the ways the weights can be held, taking turns so machine nois
 
 At one row a decode step is bound by reading the weights (96 MiB on the embedded model, more than the
 L3 cache, so every pass reads them from memory). The variants:
-- `fp32 scales, 4 KiB pages`: the interleaved form before float16 scales and huge pages;
+- `fp32 scales, 4 KiB pages`: the interleaved form before float16 scales and huge pages (a K-quant's
+  integer scales and super-block factors stay as they are);
 - `fp16 scales, 4 KiB pages`: float16 block scales and mins (tokenloom/kernels/quant.py compact_scales);
 - `fp16 scales, huge pages`: as the engine loads them (tokenloom/model/huge_pages.py).
 The figures of docs/performance.md's "The batch-1 step" come from here. Use `--threads 1` on a loaded
