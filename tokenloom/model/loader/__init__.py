@@ -45,22 +45,31 @@ def _gguf_loader():
     return gguf_loader
 
 
-def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
+def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False, mmproj: str | None = None):
     """The weights' source: an HF folder, a weight-cache entry (dense in `dtype`, or the repacked blocks when
-    `quantized`), or the GGUF file itself."""
+    `quantized`), the GGUF file itself, or a GGUF with its llama.cpp mmproj file (dense, never cached)."""
     if os.path.isdir(path):
         return HFModelFolder(path)
+    if mmproj is not None:
+        return _gguf_vlm_source().GGUFVisionLanguageSource(path, mmproj)
     cached = weight_cache.CachedWeights.lookup(path, weight_cache.QUANTIZED if quantized else dtype)
     return cached or _gguf_loader().GGUFModelFile(path)
 
 
-def read_arch_config(model: str | None) -> ArchConfig:
+def _gguf_vlm_source():
+    """tokenloom.model.loader.gguf_vlm_source, on first use (it imports gguf_loader: see _gguf_loader)."""
+    from tokenloom.model.loader import gguf_vlm_source  # lazy: imports the native kernels, which load at import
+    return gguf_vlm_source
+
+
+def read_arch_config(model: str | None, mmproj: str | None = None) -> ArchConfig:
     """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it;
-    a model larger than memory is refused here, before any process loads it)."""
+    a model larger than memory is refused here, before any process loads it). With `mmproj`, the
+    vision-language model the GGUF and its mmproj file make together."""
     path = resolve_model_path(model)
     check_fits(path)
     with naming_the_file(path):
-        return open_model_source(path, torch.float32).arch_config
+        return open_model_source(path, torch.float32, mmproj=mmproj).arch_config
 
 
 def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -73,14 +82,17 @@ def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True,
                quantized: bool | None = None, attention: AttentionBackend | None = None,
-               tensors: TensorSource | None = None) -> LoadedModel:
+               tensors: TensorSource | None = None, mmproj: str | None = None) -> LoadedModel:
     """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized). `attention`:
     the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`). `tensors`:
-    weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them."""
+    weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them.
+    `mmproj`: a llama.cpp mmproj file whose vision tower joins the GGUF's text model (loaded dense)."""
     start = time.perf_counter()
     path = resolve_model_path(model) if tensors is None else str(model)
     if tensors is None:
         check_fits(path)
+    if tensors is None and mmproj is not None:
+        tensors = open_model_source(path, dtype, mmproj=mmproj)
     if quantized is None:
         quantized = tensors is None and keeps_quantized(path, device, dtype)
     with naming_the_file(path):

@@ -1,0 +1,175 @@
+"""Write a llama.cpp `mmproj` GGUF from a Hugging Face LLaVA or Gemma 3 folder: the vision tower and projector
+with the `clip.*` metadata, in the layout llama.cpp's converters produce (tools/mtmd/clip-impl.h names).
+
+    python scripts/make_mmproj.py path/to/llava-1.5-7b-hf mmproj.gguf [--outtype f16]
+
+LLaVA (projector type `mlp`): the tower up to the deepest layer the projector reads (post-norm dropped),
+`clip.vision.feature_layer` as non-negative hidden-state indices, `mm.0`/`mm.2` for the projector's two
+linears, `clip.use_gelu` when the tower's activation is GELU (else llama.cpp's quick GELU). Gemma 3
+(`gemma3`): the whole SigLIP tower with its post-norm, `mm.input_projection.weight` and
+`mm.soft_emb_norm.weight` stored with Gemma's 1 added, `clip.vision.projector.scale_factor` when the pooling
+is not the released 4x4. The image size, patch size, mean and std come from config.json and
+preprocessor_config.json. 4-D tensors (the patch embedding) and 1-D ones stay F32 (or F16 for --outtype f16),
+as llama.cpp keeps them; with q8_0 the 2-D weights whose rows are multiples of 32 are Q8_0.
+
+tokenloom's tests write the tiny models' mmproj files with this (tests/mmproj_helpers.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+_TOP = {"embeddings.class_embedding": "v.class_embd", "embeddings.patch_embedding": "v.patch_embd",
+        "embeddings.position_embedding": "v.position_embd", "pre_layrnorm": "v.pre_ln",
+        "post_layernorm": "v.post_ln"}
+_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
+          "mlp.fc2": "ffn_down"}
+_PROJECTOR = {"linear_1": "mm.0", "linear_2": "mm.2", "mm_input_projection_weight": "mm.input_projection.weight",
+              "mm_soft_emb_norm.weight": "mm.soft_emb_norm.weight"}
+
+
+def tower_name(inner: str) -> str | None:
+    """The mmproj name of a tower tensor named `inner` below `vision_model.`."""
+    base, _, kind = inner.rpartition(".")
+    if inner in _TOP:
+        return _TOP[inner]
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", base)
+    if m and m.group(2) in _BLOCK:
+        return f"v.blk.{m.group(1)}.{_BLOCK[m.group(2)]}.{kind}"
+    return None
+
+
+def split_checkpoint(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """("tower" | "projector", name inside it, tensor) for the vision tensors, in either checkpoint layout."""
+    for name, tensor in tensors.items():
+        rest = name.removeprefix("model.")
+        if rest.startswith("vision_tower."):
+            yield "tower", rest.removeprefix("vision_tower.").removeprefix("vision_model."), tensor
+        elif rest.startswith("multi_modal_projector."):
+            yield "projector", rest.removeprefix("multi_modal_projector."), tensor
+
+
+def projector_name(inner: str) -> str:
+    if inner in _PROJECTOR:
+        return _PROJECTOR[inner]
+    base, _, kind = inner.rpartition(".")
+    return f"{_PROJECTOR[base]}.{kind}"
+
+
+def write_mmproj(folder: str, out: str, outtype: str = "f32") -> str:
+    root = Path(folder)
+    config = json.loads((root / "config.json").read_text())
+    pre_path = root / "preprocessor_config.json"
+    pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
+    arch = config["architectures"][0]
+    vision, text = config["vision_config"], config.get("text_config") or {}
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    writer = gguf.GGUFWriter(out, "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if outtype == "f32" else gguf.LlamaFileType.MOSTLY_F16
+                         if outtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_uint32("clip.vision.projection_dim", text.get("hidden_size", 4096))
+    writer.add_array("clip.vision.image_mean", [float(v) for v in pre.get("image_mean", CLIP_MEAN)])
+    writer.add_array("clip.vision.image_std", [float(v) for v in pre.get("image_std", CLIP_STD)])
+    if arch == "LlavaForConditionalGeneration":
+        keep_layers = _llava_metadata(writer, config, vision)
+    elif arch == "Gemma3ForConditionalGeneration":
+        keep_layers = _gemma3_metadata(writer, config, vision)
+    else:
+        raise SystemExit(f"{folder}: {arch} is not LLaVA or Gemma 3")
+    for part, inner, tensor in split_checkpoint(tensors):
+        if part == "tower":
+            name = tower_name(inner)
+            layer = re.match(r"v\.blk\.(\d+)\.", name or "")
+            if name is None or (layer and int(layer.group(1)) >= keep_layers) or \
+                    (name.startswith("v.post_ln") and arch == "LlavaForConditionalGeneration"):
+                continue
+        else:
+            name = projector_name(inner)
+        data = tensor.float()
+        if name == "mm.soft_emb_norm.weight":
+            data = data + 1  # llama.cpp stores Gemma's RMSNorm scale with its 1 added
+        _add(writer, name, data.numpy(), outtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _llava_metadata(writer: gguf.GGUFWriter, config: dict, vision: dict) -> int:
+    """LLaVA's keys; returns how many tower layers the file keeps (up to the deepest one read)."""
+    layers = config.get("vision_feature_layer", -2)
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    total = vision["num_hidden_layers"]
+    layers = [i if i >= 0 else total + 1 + i for i in layers]
+    if config.get("vision_feature_select_strategy", "default") != "default":
+        raise SystemExit("llama.cpp's LLaVA projector drops the CLS row: only the 'default' strategy converts")
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_uint32("clip.vision.block_count", max(layers))
+    writer.add_array("clip.vision.feature_layer", layers)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-5))
+    writer.add_bool("clip.use_gelu", vision.get("hidden_act", "quick_gelu") == "gelu")
+    return max(layers)
+
+
+def _gemma3_metadata(writer: gguf.GGUFWriter, config: dict, vision: dict) -> int:
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    writer.add_bool("clip.use_gelu", True)
+    side = math.isqrt(config.get("mm_tokens_per_image", 256))
+    scale = vision["image_size"] // vision["patch_size"] // side
+    if scale != 4:
+        writer.add_uint32("clip.vision.projector.scale_factor", scale)
+    return vision["num_hidden_layers"]
+
+
+def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, outtype: str) -> None:
+    if data.ndim != 2 or outtype == "f32":
+        dtype = np.float16 if outtype == "f16" and data.ndim == 4 else np.float32
+        writer.add_tensor(name, np.ascontiguousarray(data.astype(dtype)))
+    elif outtype == "f16":
+        writer.add_tensor(name, np.ascontiguousarray(data.astype(np.float16)))
+    elif data.shape[1] % 32 == 0:
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), q8), raw_dtype=q8)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(data.astype(np.float32)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", help="a Hugging Face LLaVA or Gemma 3 folder (config.json, *.safetensors)")
+    ap.add_argument("out", help="the mmproj GGUF to write")
+    ap.add_argument("--outtype", choices=("f32", "f16", "q8_0"), default="f16")
+    args = ap.parse_args(argv)
+    print(write_mmproj(args.folder, args.out, args.outtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
