@@ -70,7 +70,9 @@ def projector_name(inner: str) -> str:
     return f"{_PROJECTOR[base]}.{kind}"
 
 
-def write_mmproj(folder: str, out: str, outtype: str = "f32") -> str:
+def write_mmproj(folder: str, out: str, outtype: str = "f32", legacy_ffn_names: bool = False) -> str:
+    """`legacy_ffn_names`: fc1 as `ffn_down` and fc2 as `ffn_up`, as llama.cpp's older LLaVA converter wrote
+    them (readers tell the two apart by shape)."""
     root = Path(folder)
     config = json.loads((root / "config.json").read_text())
     pre_path = root / "preprocessor_config.json"
@@ -106,6 +108,9 @@ def write_mmproj(folder: str, out: str, outtype: str = "f32") -> str:
             if name is None or (layer and int(layer.group(1)) >= keep_layers) or \
                     (name.startswith("v.post_ln") and arch == "LlavaForConditionalGeneration"):
                 continue
+            if legacy_ffn_names and ".ffn_" in name:
+                name = name.replace(".ffn_up.", ".ffn_tmp.").replace(".ffn_down.", ".ffn_up.").replace(
+                    ".ffn_tmp.", ".ffn_down.")
         else:
             name = projector_name(inner)
         data = tensor.float()
@@ -166,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder", help="a Hugging Face LLaVA or Gemma 3 folder (config.json, *.safetensors)")
     ap.add_argument("out", help="the mmproj GGUF to write")
     ap.add_argument("--outtype", choices=("f32", "f16", "q8_0"), default="f16")
+    ap.add_argument("--legacy-ffn-names", action="store_true",
+                    help="name fc1 ffn_down and fc2 ffn_up, as llama.cpp's older LLaVA converter did")
     args = ap.parse_args(argv)
-    print(write_mmproj(args.folder, args.out, args.outtype))
+    print(write_mmproj(args.folder, args.out, args.outtype, args.legacy_ffn_names))
     return 0
 
 

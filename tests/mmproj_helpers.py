@@ -29,8 +29,8 @@ def make_mmproj_module():
     return module
 
 
-def write_mmproj(folder: str, path: str, outtype: str = "f32") -> str:
-    return make_mmproj_module().write_mmproj(folder, path, outtype)
+def write_mmproj(folder: str, path: str, outtype: str = "f32", legacy_ffn_names: bool = False) -> str:
+    return make_mmproj_module().write_mmproj(folder, path, outtype, legacy_ffn_names)
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
