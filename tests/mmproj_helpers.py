@@ -19,7 +19,8 @@ _TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.
 # A chat template of the kind a text GGUF carries: message content as a string (image parts arrive as text).
 TEXT_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() }}: {{ message['content'] }} "
                  "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-UNKNOWN, CONTROL, NORMAL = 2, 3, 1
+UNKNOWN, CONTROL, NORMAL, BYTE = 2, 3, 1, 6
+BYTE_TOKENS_FROM = 100  # past the folder's words, before its image token
 
 
 def make_mmproj_module():
@@ -40,9 +41,9 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) -> str:
-    """The LLaVA's text model as a "llama" GGUF, with the folder tokenizer's words as the vocabulary
-    (`image_token`: keep `<image>` in it; else that slot is a filler word, as in GGUFs made from the original
-    LLaVA checkpoint)."""
+    """The LLaVA's text model as a "llama" GGUF, with the folder tokenizer's words as the vocabulary and byte
+    tokens in 256 of its filler slots (llama.cpp needs them). `image_token`: keep `<image>` in it; else that
+    slot is a filler word, as in GGUFs made from the original LLaVA checkpoint."""
     import gguf
     from tokenizers import Tokenizer as HFTokenizer
     cfg = hf.config.text_config
@@ -50,6 +51,10 @@ def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) 
     words = {i: w for w, i in vocab.items()}
     tokens, types = [], []
     for i in range(cfg.vocab_size):
+        if BYTE_TOKENS_FROM <= i < BYTE_TOKENS_FROM + 256:  # filler slots: SentencePiece's byte fallback
+            tokens.append(f"<0x{i - BYTE_TOKENS_FROM:02X}>")
+            types.append(BYTE)
+            continue
         word = words.get(i, f"w{i}")
         if word == "<image>" and not image_token:
             word = f"w{i}"
