@@ -9,8 +9,9 @@ linears, `clip.use_gelu` when the tower's activation is GELU (else llama.cpp's q
 (`gemma3`): the whole SigLIP tower with its post-norm, `mm.input_projection.weight` and
 `mm.soft_emb_norm.weight` stored with Gemma's 1 added, `clip.vision.projector.scale_factor` when the pooling
 is not the released 4x4. The image size, patch size, mean and std come from config.json and
-preprocessor_config.json. 4-D tensors (the patch embedding) and 1-D ones stay F32 (or F16 for --outtype f16),
-as llama.cpp keeps them; with q8_0 the 2-D weights whose rows are multiples of 32 are Q8_0.
+preprocessor_config.json. 1-D tensors and the position embedding stay F32, the patch embedding F32 (F16 for
+--outtype f16), as llama.cpp keeps them; with q8_0 the 2-D weights whose rows are multiples of 32 are Q8_0
+(Gemma 3's input projection F16).
 
 tokenloom's tests write the tiny models' mmproj files with this (tests/mmproj_helpers.py).
 """
@@ -154,6 +155,10 @@ def _gemma3_metadata(writer: gguf.GGUFWriter, config: dict, vision: dict) -> int
 
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, outtype: str) -> None:
+    if name == "v.position_embd.weight":  # added to the patches, which are F32 (llama.cpp keeps it F32)
+        outtype = "f32"
+    elif name == "mm.input_projection.weight" and outtype == "q8_0":  # llama.cpp's converter forces F16
+        outtype = "f16"
     if data.ndim != 2 or outtype == "f32":
         dtype = np.float16 if outtype == "f16" and data.ndim == 4 else np.float32
         writer.add_tensor(name, np.ascontiguousarray(data.astype(dtype)))

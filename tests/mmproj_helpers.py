@@ -15,7 +15,16 @@ _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "make_mmproj.
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm"}
 _TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+# A Gemma 3 text model a GGUF can describe: six layers (every sixth global), local rotary base 10000, queries
+# scaled by the head size.
+GEMMA3_GGUF_TEXT = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                        query_pre_attn_scalar=16,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
 # A chat template of the kind a text GGUF carries: message content as a string (image parts arrive as text).
 TEXT_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() }}: {{ message['content'] }} "
                  "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
@@ -41,6 +50,16 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) -> str:
+    return write_text_gguf(hf, folder, path, "llama", image_token)
+
+
+def write_gemma3_text_gguf(hf, folder: str, path: str) -> str:
+    """The Gemma 3's text model (built with GEMMA3_GGUF_TEXT) as llama.cpp's converter writes it: norms with
+    the 1 added, the head tied to the embedding."""
+    return write_text_gguf(hf, folder, path, "gemma3")
+
+
+def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = True) -> str:
     """The LLaVA's text model as a "llama" GGUF, with the folder tokenizer's words as the vocabulary and byte
     tokens in 256 of its filler slots (llama.cpp needs them). `image_token`: keep `<image>` in it; else that
     slot is a filler word, as in GGUFs made from the original LLaVA checkpoint."""
@@ -61,17 +80,24 @@ def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) 
         special = word.startswith("<") and word.endswith(">")
         tokens.append(word if special else "\u2581" + word)
         types.append(UNKNOWN if word == "<unk>" else CONTROL if special else NORMAL)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "gemma3":
+        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([-float(i) for i in range(len(tokens))])
@@ -80,9 +106,12 @@ def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) 
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_chat_template(TEXT_TEMPLATE)
+    layer_names = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
     for name, tensor in hf.state_dict().items():
         rest = name.removeprefix("model.").removeprefix("language_model.")
         if name == "lm_head.weight":
+            if arch == "gemma3":  # tied to the embedding
+                continue
             gguf_name = "output.weight"
         elif rest in _TOP:
             gguf_name = _TOP[rest]
@@ -90,9 +119,12 @@ def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) 
             m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", rest)
             if m is None or "vision" in name or "projector" in name:
                 continue
-            gguf_name = f"blk.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
+            gguf_name = f"blk.{m[1]}.{layer_names[m[2]]}.{m[3]}"
         array = tensor.detach().float().numpy()
-        if ".attn_q." in gguf_name:
+        if arch == "gemma3":
+            if "norm" in gguf_name:
+                array = array + 1
+        elif ".attn_q." in gguf_name:
             array = _permute(array, cfg.num_attention_heads)
         elif ".attn_k." in gguf_name:
             array = _permute(array, cfg.num_key_value_heads)
