@@ -49,8 +49,8 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True) -> str:
-    return write_text_gguf(hf, folder, path, "llama", image_token)
+def write_llava_text_gguf(hf, folder: str, path: str, image_token: bool = True, weights: str = "F32") -> str:
+    return write_text_gguf(hf, folder, path, "llama", image_token, weights)
 
 
 def write_gemma3_text_gguf(hf, folder: str, path: str) -> str:
@@ -59,7 +59,8 @@ def write_gemma3_text_gguf(hf, folder: str, path: str) -> str:
     return write_text_gguf(hf, folder, path, "gemma3")
 
 
-def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = True) -> str:
+def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = True, weights: str = "F32") -> str:
+    """`weights`: the GGML type of the layers' 2-D weights (norms and the embedding stay F32)."""
     """The LLaVA's text model as a "llama" GGUF, with the folder tokenizer's words as the vocabulary and byte
     tokens in 256 of its filler slots (llama.cpp needs them). `image_token`: keep `<image>` in it; else that
     slot is a filler word, as in GGUFs made from the original LLaVA checkpoint."""
@@ -128,7 +129,11 @@ def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = T
             array = _permute(array, cfg.num_attention_heads)
         elif ".attn_k." in gguf_name:
             array = _permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        qtype = gguf.GGMLQuantizationType[weights]
+        if gguf_name.startswith("blk.") and array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -140,3 +140,23 @@ def test_a_text_gguf_without_mmproj_stays_a_text_model(llava_gguf):
                          helpers.vlm_greedy(), use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_a_quantized_text_gguf_keeps_its_blocks_beside_the_mmproj_with_logits_near_the_dense_load(llava_gguf):
+    from tokenloom import kernels
+    from tokenloom.model.layers.quantized_linear import quantized_weights
+    from tokenloom.model.loader import load_model
+    if not kernels.load():
+        pytest.skip("kernels: blocks stay quantized only on the native CPU kernels")
+    folder, hf, _, mmproj, tmp = llava_gguf
+    text = mmproj_helpers.write_llava_text_gguf(hf, folder, str(tmp / "text-q8_0.gguf"), weights="Q8_0")
+    cpu = torch.device("cpu")
+    kept = load_model(text, torch.float32, cpu, progress=False, mmproj=mmproj)
+    dense = load_model(text, torch.float32, cpu, progress=False, mmproj=mmproj, quantized=False)
+    assert len(quantized_weights(kept.model)) == 2 * 4  # each layer's fused qkv, o, fused gate-up, down
+    assert not quantized_weights(dense.model)
+    ids = torch.tensor(mmproj_helpers.prompt_ids(folder, "USER: what is in this picture ? ASSISTANT:"))
+    logits = [helpers.sequence_logits(m.model, ids.tolist()) for m in (kept, dense)]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-3, rtol=1e-3)
+    pixels = torch.randn(1, 3, 28, 28)
+    torch.testing.assert_close(kept.model.encode(pixels), dense.model.encode(pixels))

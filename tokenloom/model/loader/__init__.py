@@ -86,15 +86,16 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
     """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized). `attention`:
     the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`). `tensors`:
     weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them.
-    `mmproj`: a llama.cpp mmproj file whose vision tower joins the GGUF's text model (loaded dense)."""
+    `mmproj`: a llama.cpp mmproj file whose vision tower (dense) joins the GGUF's text model (kept quantized as
+    alone, but never cached: the caches hold the text model's loaded form)."""
     start = time.perf_counter()
     path = resolve_model_path(model) if tensors is None else str(model)
     if tensors is None:
         check_fits(path)
-    if tensors is None and mmproj is not None:
-        tensors = open_model_source(path, dtype, mmproj=mmproj)
     if quantized is None:
         quantized = tensors is None and keeps_quantized(path, device, dtype)
+    if tensors is None and mmproj is not None:
+        tensors = open_model_source(path, dtype, mmproj=mmproj)
     with naming_the_file(path):
         return _load(path, dtype, device, progress, quantized, attention, tensors, start)
 
@@ -103,7 +104,7 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, q
           attention: AttentionBackend | None, tensors: TensorSource | None, start: float) -> LoadedModel:
     """load_model's work: build the model, fill it, pack it."""
     tp = tp_group()
-    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized else None
+    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized and tensors is None else None
     if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
         net = _empty_model(mapped.arch_config, dtype, device, attention)
         if mapped.fill(net):
@@ -131,7 +132,7 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, q
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     if not quantized:
         named = source.tensors(dtype)
-    elif from_gguf:
+    elif from_gguf or isinstance(source, _gguf_vlm_source().GGUFVisionLanguageSource):
         named = source.tensors(dtype, quantized=True)
     else:
         named = weight_cache.unflatten_quantized(source.tensors(dtype))

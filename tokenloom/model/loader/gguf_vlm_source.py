@@ -4,7 +4,8 @@
 The pair reads as the Hugging Face checkpoint of the same model: the architecture and config.json the two
 files' metadata describe (tokenloom.multimodal.mmproj_config), the text model's tensors under
 `language_model.`, the tower's and projector's under their checkpoint names (mmproj_tensors). So the model
-classes that serve a safetensors folder serve the pair unchanged. Every tensor loads dense (dequantized).
+classes that serve a safetensors folder serve the pair unchanged. The text model's quantized blocks stay
+quantized where they would alone (on the CPU's native kernels); the tower and projector load dense.
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ class GGUFVisionLanguageSource:
     def num_tensors(self) -> int:
         return self.text.num_tensors + self.mmproj.num_tensors
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.text.tensors(dtype):
+    def tensors(self, dtype: torch.dtype, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """`quantized`: the text model's 2-D weights in a type the native kernels multiply come as their blocks
+        (GGUFModelFile.tensors); the tower's always dense."""
+        for name, tensor in self.text.tensors(dtype, quantized=quantized):
             yield "language_model." + name, tensor
         for name, tensor in self.mmproj.tensors():
             yield name, tensor.to(dtype)
