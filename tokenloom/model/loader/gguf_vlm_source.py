@@ -2,8 +2,8 @@
 `mmproj` GGUF with the vision tower and projector (`tokenloom serve model.gguf --mmproj mmproj.gguf`).
 
 The pair reads as the Hugging Face checkpoint of the same model: the architecture and config.json the two
-files' metadata describe (tokenloom.multimodal.mmproj_config), the text model's tensors under
-`language_model.`, the tower's and projector's under their checkpoint names (mmproj_tensors). So the model
+files' metadata describe (tokenloom.multimodal.mmproj_config), the text model's tensors in transformers 5's
+layout (`model.language_model.*`, `lm_head.*`: every vision-language class reads it), the tower's and projector's under their checkpoint names (mmproj_tensors). So the model
 classes that serve a safetensors folder serve the pair unchanged. The text model's quantized blocks stay
 quantized where they would alone (on the CPU's native kernels); the tower and projector load dense.
 """
@@ -37,7 +37,11 @@ class GGUFVisionLanguageSource:
         """`quantized`: the text model's 2-D weights in a type the native kernels multiply come as their blocks
         (GGUFModelFile.tensors); the tower's always dense."""
         for name, tensor in self.text.tensors(dtype, quantized=quantized):
-            yield "language_model." + name, tensor
+            yield _text_name(name), tensor
         for name, tensor in self.mmproj.tensors():
             yield name, tensor.to(dtype)
 
+
+
+def _text_name(name: str) -> str:
+    return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
