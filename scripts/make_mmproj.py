@@ -1,17 +1,20 @@
-"""Write a llama.cpp `mmproj` GGUF from a Hugging Face LLaVA or Gemma 3 folder: the vision tower and projector
-with the `clip.*` metadata, in the layout llama.cpp's converters produce (tools/mtmd/clip-impl.h names).
+"""Write a llama.cpp `mmproj` GGUF from a Hugging Face LLaVA, Gemma 3 or Qwen2.5-VL folder: the vision tower and
+projector with the `clip.*` metadata, in the layout llama.cpp's converters produce (tools/mtmd/clip-impl.h).
 
     python scripts/make_mmproj.py path/to/llava-1.5-7b-hf mmproj.gguf [--outtype f16]
 
 LLaVA (projector type `mlp`): the tower up to the deepest layer the projector reads (post-norm dropped),
-`clip.vision.feature_layer` as non-negative hidden-state indices, `mm.0`/`mm.2` for the projector's two
-linears, `clip.use_gelu` when the tower's activation is GELU (else llama.cpp's quick GELU). Gemma 3
-(`gemma3`): the whole SigLIP tower with its post-norm, `mm.input_projection.weight` and
-`mm.soft_emb_norm.weight` stored with Gemma's 1 added, `clip.vision.projector.scale_factor` when the pooling
-is not the released 4x4. The image size, patch size, mean and std come from config.json and
-preprocessor_config.json. 1-D tensors and the position embedding stay F32, the patch embedding F32 (F16 for
---outtype f16), as llama.cpp keeps them; with q8_0 the 2-D weights whose rows are multiples of 32 are Q8_0
-(Gemma 3's input projection F16).
+`clip.vision.feature_layer` as non-negative hidden-state indices, `mm.0`/`mm.2` for the projector's two linears,
+`clip.use_gelu` when the tower's activation is GELU (else llama.cpp's quick GELU). Gemma 3 (`gemma3`): the whole
+SigLIP tower with its post-norm, `mm.input_projection.weight` and `mm.soft_emb_norm.weight` stored with Gemma's 1
+added, `clip.vision.projector.scale_factor` when the pooling is not the released 4x4. Qwen2.5-VL
+(`qwen2.5vl_merger`): the patch convolution as two frames (`v.patch_embd.weight`, `.weight.1`), qkv split into q, k
+and v, the merger as `v.post_ln`, `mm.0`, `mm.2`, `clip.vision.n_wa_pattern` from the full-attention blocks, the
+window and merge size when not the released 112 and 2, the preprocessor's pixel bounds as
+`clip.vision.image_min_pixels`/`image_max_pixels`. The image size, patch size, mean and std come from config.json
+and preprocessor_config.json. 1-D tensors and the position embedding stay F32, the patch embedding F32 (F16 for
+--outtype f16), as llama.cpp keeps them; with q8_0 the 2-D weights whose rows are multiples of 32 are Q8_0 (Gemma
+3's input projection F16).
 
 tokenloom's tests write the tiny models' mmproj files with this (tests/mmproj_helpers.py).
 """
@@ -54,11 +57,40 @@ def tower_name(inner: str) -> str | None:
     return None
 
 
+_QWEN_BLOCK = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_QWEN_TOP = {"merger.ln_q.weight": "v.post_ln.weight", "merger.mlp.0.weight": "mm.0.weight",
+             "merger.mlp.0.bias": "mm.0.bias", "merger.mlp.2.weight": "mm.2.weight", "merger.mlp.2.bias": "mm.2.bias"}
+
+
+def qwen_tensors(inner: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen2.5-VL's tower tensor `inner` (below `visual.`) as llama.cpp's converter writes it: the patch
+    convolution split into its two frames, the fused qkv into q, k and v."""
+    if inner == "patch_embed.proj.weight":
+        yield "v.patch_embd.weight", tensor[:, :, 0]
+        yield "v.patch_embd.weight.1", tensor[:, :, 1]
+        return
+    if inner in _QWEN_TOP:
+        yield _QWEN_TOP[inner], tensor
+        return
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", inner)
+    if m and m.group(2) == "attn.qkv":
+        for part, piece in zip(("attn_q", "attn_k", "attn_v"), tensor.chunk(3, dim=0)):
+            yield f"v.blk.{m.group(1)}.{part}.{m.group(3)}", piece
+    elif m and m.group(2) in _QWEN_BLOCK:
+        yield f"v.blk.{m.group(1)}.{_QWEN_BLOCK[m.group(2)]}.{m.group(3)}", tensor
+    else:
+        raise SystemExit(f"unknown Qwen2.5-VL vision tensor {inner}")
+
+
 def split_checkpoint(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """("tower" | "projector", name inside it, tensor) for the vision tensors, in either checkpoint layout."""
+    """("tower" | "projector" | "qwen", name inside it, tensor) for the vision tensors, in either checkpoint
+    layout."""
     for name, tensor in tensors.items():
         rest = name.removeprefix("model.")
-        if rest.startswith("vision_tower."):
+        if rest.startswith("visual."):
+            yield "qwen", rest.removeprefix("visual."), tensor
+        elif rest.startswith("vision_tower."):
             yield "tower", rest.removeprefix("vision_tower.").removeprefix("vision_model."), tensor
         elif rest.startswith("multi_modal_projector."):
             yield "projector", rest.removeprefix("multi_modal_projector."), tensor
@@ -79,7 +111,10 @@ def write_mmproj(folder: str, out: str, outtype: str = "f32", legacy_ffn_names: 
     pre_path = root / "preprocessor_config.json"
     pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
     arch = config["architectures"][0]
-    vision, text = config["vision_config"], config.get("text_config") or {}
+    vision, text = dict(config["vision_config"]), config.get("text_config") or config
+    if arch == "Qwen2_5_VLForConditionalGeneration":  # the converter's spellings of Qwen's sizes
+        vision.update(image_size=vision.get("image_size", 560), num_attention_heads=vision["num_heads"],
+                      num_hidden_layers=vision["depth"])
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(root.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
@@ -100,9 +135,15 @@ def write_mmproj(folder: str, out: str, outtype: str = "f32", legacy_ffn_names: 
         keep_layers = _llava_metadata(writer, config, vision)
     elif arch == "Gemma3ForConditionalGeneration":
         keep_layers = _gemma3_metadata(writer, config, vision)
+    elif arch == "Qwen2_5_VLForConditionalGeneration":
+        keep_layers = _qwen2_5_vl_metadata(writer, vision, pre)
     else:
-        raise SystemExit(f"{folder}: {arch} is not LLaVA or Gemma 3")
+        raise SystemExit(f"{folder}: {arch} is not LLaVA, Gemma 3 or Qwen2.5-VL")
     for part, inner, tensor in split_checkpoint(tensors):
+        if part == "qwen":
+            for name, piece in qwen_tensors(inner, tensor):
+                _add(writer, name, piece.float().contiguous().numpy(), outtype)
+            continue
         if part == "tower":
             name = tower_name(inner)
             layer = re.match(r"v\.blk\.(\d+)\.", name or "")
@@ -154,6 +195,26 @@ def _gemma3_metadata(writer: gguf.GGUFWriter, config: dict, vision: dict) -> int
     return vision["num_hidden_layers"]
 
 
+def _qwen2_5_vl_metadata(writer: gguf.GGUFWriter, vision: dict, pre: dict) -> int:
+    full = vision.get("fullatt_block_indexes", [7, 15, 23, 31])
+    pattern = full[0] + 1
+    if any(b - a != pattern for a, b in zip(full, full[1:])):
+        raise SystemExit(f"fullatt_block_indexes {full} are not every n-th block")
+    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
+    writer.add_uint32("clip.vision.block_count", vision["depth"])
+    writer.add_uint32("clip.vision.n_wa_pattern", pattern)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_bool("clip.use_silu", True)
+    if vision.get("window_size", 112) != 112:  # llama.cpp assumes 112
+        writer.add_uint32("clip.vision.window_size", vision["window_size"])
+    if vision.get("spatial_merge_size", 2) != 2:
+        writer.add_uint32("clip.vision.spatial_merge_size", vision["spatial_merge_size"])
+    for key in ("min_pixels", "max_pixels"):
+        if key in pre:
+            writer.add_uint32(f"clip.vision.image_{key}", pre[key])
+    return vision["depth"]
+
+
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, outtype: str) -> None:
     if name == "v.position_embd.weight":  # added to the patches, which are F32 (llama.cpp keeps it F32)
         outtype = "f32"
@@ -173,7 +234,8 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, outtype: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", help="a Hugging Face LLaVA or Gemma 3 folder (config.json, *.safetensors)")
+    ap.add_argument("folder", help="a Hugging Face LLaVA, Gemma 3 or Qwen2.5-VL folder (config.json, "
+                                   "*.safetensors)")
     ap.add_argument("out", help="the mmproj GGUF to write")
     ap.add_argument("--outtype", choices=("f32", "f16", "q8_0"), default="f16")
     ap.add_argument("--legacy-ffn-names", action="store_true",

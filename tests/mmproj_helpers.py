@@ -59,6 +59,12 @@ def write_gemma3_text_gguf(hf, folder: str, path: str) -> str:
     return write_text_gguf(hf, folder, path, "gemma3")
 
 
+def write_qwen2_5_vl_text_gguf(hf, folder: str, path: str) -> str:
+    """The Qwen2.5-VL's text model as llama.cpp's converter writes it: architecture qwen2vl, the M-RoPE sections
+    as rope.dimension_sections."""
+    return write_text_gguf(hf, folder, path, "qwen2vl")
+
+
 def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = True, weights: str = "F32") -> str:
     """`weights`: the GGML type of the layers' 2-D weights (norms and the embedding stay F32)."""
     """The LLaVA's text model as a "llama" GGUF, with the folder tokenizer's words as the vocabulary and byte
@@ -96,6 +102,8 @@ def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = T
         writer.add_value_length(head_dim)
     else:
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch == "qwen2vl":
+        writer.add_rope_dimension_sections([*cfg.rope_parameters["mrope_section"], 0])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_rope_dimension_count(head_dim)
@@ -118,16 +126,15 @@ def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = T
             gguf_name = _TOP[rest]
         else:
             m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", rest)
-            if m is None or "vision" in name or "projector" in name:
+            if m is None or "vision" in name or "visual" in name or "projector" in name:
                 continue
             gguf_name = f"blk.{m[1]}.{layer_names[m[2]]}.{m[3]}"
         array = tensor.detach().float().numpy()
-        if arch == "gemma3":
-            if "norm" in gguf_name:
-                array = array + 1
-        elif ".attn_q." in gguf_name:
+        if arch == "gemma3" and "norm" in gguf_name:
+            array = array + 1
+        elif arch == "llama" and ".attn_q." in gguf_name:
             array = _permute(array, cfg.num_attention_heads)
-        elif ".attn_k." in gguf_name:
+        elif arch == "llama" and ".attn_k." in gguf_name:
             array = _permute(array, cfg.num_key_value_heads)
         qtype = gguf.GGMLQuantizationType[weights]
         if gguf_name.startswith("blk.") and array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:

@@ -750,7 +750,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         "such as BERT, generate otherwise)")
     opt("convert", str, "embed: serve a decoder model as an embedding model (last-token pooling); auto | none")
     opt("mmproj", str, "llama.cpp's multimodal projector GGUF (vision tower and projector) for a GGUF text model: "
-        "images in, text out (LLaVA, Gemma 3; docs/multimodal.md)")
+        "images in, text out (LLaVA, Gemma 3, Qwen2.5-VL; docs/multimodal.md)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

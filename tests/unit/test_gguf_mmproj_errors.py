@@ -69,7 +69,8 @@ def test_an_unsupported_projector_type_is_named_with_the_supported_ones(tmp_path
     writer.close()
     with pytest.raises(ConfigError) as exc:
         gguf_vision_config(llava_files[1], path)
-    assert _one_line(exc) == f"--mmproj {path}: projector type 'ldp' is not supported (supported: mlp, gemma3)"
+    assert _one_line(exc) == (f"--mmproj {path}: projector type 'ldp' is not supported (supported: mlp, gemma3, "
+                              f"qwen2.5vl_merger)")
 
 
 def test_a_text_architecture_the_projector_does_not_feed_is_refused(llava_files, tmp_path):
@@ -77,6 +78,16 @@ def test_a_text_architecture_the_projector_does_not_feed_is_refused(llava_files,
     with pytest.raises(ConfigError) as exc:
         gguf_vision_config(qwen3, llava_files[2])
     assert "a 'qwen3' text model cannot take the images of a 'mlp' projector" in _one_line(exc)
+
+
+def test_a_qwen2_5_vl_mmproj_needs_the_qwen2vl_text_model_with_its_rope_sections(tiny_qwen2_5_vl, tmp_path):
+    folder, _ = tiny_qwen2_5_vl
+    mmproj = mmproj_helpers.write_mmproj(folder, str(tmp_path / "mmproj.gguf"))
+    qwen2 = helpers.write_tiny_gguf(helpers.build_tiny_model("qwen2"), "qwen2", str(tmp_path / "qwen2.gguf"), {})
+    with pytest.raises(ConfigError) as exc:
+        gguf_vision_config(qwen2, mmproj)
+    assert "a 'qwen2' text model cannot take the images of a 'qwen2.5vl_merger' projector" in _one_line(exc)
+    assert "it feeds qwen2vl" in str(exc.value)
 
 
 def test_an_mmproj_narrower_than_the_text_model_is_refused_at_start_up(llava_files, tmp_path):

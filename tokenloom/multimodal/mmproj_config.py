@@ -3,9 +3,10 @@ describe itself: a config.json (architecture, vision_config, image token ids, th
 preprocessor_config.json. Built once from the two files' metadata, it lets the engine and the frontend serve
 them through the same model classes and image families as the folder (`FAMILIES`, the model registry).
 
-One builder per projector type (`clip.projector_type`): LLaVA's `mlp` (mmproj_llava.py) and Gemma 3's `gemma3`
-(mmproj_gemma3.py). Any other type, a text model of an architecture the projector does not feed, or a projector
-whose output width is not the text model's hidden size is refused with a one-line ConfigError.
+One builder per projector type (`clip.projector_type`): LLaVA's `mlp` (mmproj_llava.py), Gemma 3's `gemma3`
+(mmproj_gemma3.py) and Qwen2.5-VL's `qwen2.5vl_merger` (mmproj_qwen2_5_vl.py). Any other type, a text model of
+an architecture the projector does not feed, or a projector whose output width is not the text model's hidden
+size is refused with a one-line ConfigError.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tokenloom.core.json_types import JsonObject
 from tokenloom.multimodal.mmproj_gemma3 import gemma3_configs
 from tokenloom.multimodal.mmproj_llava import llava_configs
 from tokenloom.multimodal.mmproj_metadata import MmprojFile, read_mmproj
+from tokenloom.multimodal.mmproj_qwen2_5_vl import qwen2_5_vl_configs
 from tokenloom.multimodal.mmproj_text import TextGGUF
 
 
@@ -35,6 +37,7 @@ Builder = Callable[[MmprojFile, TextGGUF], tuple[JsonObject, JsonObject, bool]]
 PROJECTORS: dict[str, tuple[tuple[str, ...], Builder]] = {
     "mlp": (("llama", "mistral"), llava_configs),
     "gemma3": (("gemma3",), gemma3_configs),
+    "qwen2.5vl_merger": (("qwen2vl",), qwen2_5_vl_configs),
 }
 
 

@@ -14,6 +14,7 @@ class TextGGUF:
     architecture: str
     hidden_size: int
     vocab: dict[str, int]
+    rope_sections: list[int]  # `<arch>.rope.dimension_sections` (Qwen2.5-VL's M-RoPE); empty when absent
 
     @classmethod
     def read(cls, path: str) -> "TextGGUF":
@@ -26,7 +27,9 @@ class TextGGUF:
         if not isinstance(arch, str) or not isinstance(width, int):
             raise ConfigError(f"{path}: GGUF metadata lacks general.architecture or its embedding_length")
         tokens = meta.get("tokenizer.ggml.tokens") or []
-        return cls(path, arch, width, {t: i for i, t in enumerate(tokens) if isinstance(t, str)})
+        sections = meta.get(f"{arch}.rope.dimension_sections") or []
+        return cls(path, arch, width, {t: i for i, t in enumerate(tokens) if isinstance(t, str)},
+                   [int(v) for v in sections if isinstance(v, int)])
 
     def token_id(self, text: str) -> int | None:
         return self.vocab.get(text)

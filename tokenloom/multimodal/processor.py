@@ -48,7 +48,8 @@ FAMILIES: dict[str, Callable[[JsonObject, JsonObject], ModelImages]] = {
 
 # config.json's architecture -> the text a prompt writes for each image, where no chat template renders image
 # parts (a GGUF's template is its text model's).
-IMAGE_TEXT = {"LlavaForConditionalGeneration": "<image>", "Gemma3ForConditionalGeneration": "<start_of_image>"}
+IMAGE_TEXT = {"LlavaForConditionalGeneration": "<image>", "Gemma3ForConditionalGeneration": "<start_of_image>",
+              "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 class ImageProcessor:

@@ -1,11 +1,12 @@
 """A vision-language model from two GGUF files, as llama.cpp users have it: the text model's GGUF and the
 `mmproj` GGUF with the vision tower and projector (`tokenloom serve model.gguf --mmproj mmproj.gguf`).
 
-The pair reads as the Hugging Face checkpoint of the same model: the architecture and config.json the two
-files' metadata describe (tokenloom.multimodal.mmproj_config), the text model's tensors in transformers 5's
-layout (`model.language_model.*`, `lm_head.*`: every vision-language class reads it), the tower's and projector's under their checkpoint names (mmproj_tensors). So the model
-classes that serve a safetensors folder serve the pair unchanged. The text model's quantized blocks stay
-quantized where they would alone (on the CPU's native kernels); the tower and projector load dense.
+The pair reads as the Hugging Face checkpoint of the same model: the architecture and config.json the two files'
+metadata describe (tokenloom.multimodal.mmproj_config), the text model's tensors in transformers 5's layout
+(`model.language_model.*`, `lm_head.*`: every vision-language class reads it), the tower's and projector's under
+their checkpoint names (mmproj_tensors). So the model classes that serve a safetensors folder serve the pair
+unchanged. The text model's quantized blocks stay quantized where they would alone (on the CPU's native kernels);
+the tower and projector load dense.
 """
 from __future__ import annotations
 
