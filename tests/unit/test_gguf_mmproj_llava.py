@@ -4,6 +4,9 @@ vocabulary's `<image>`, by llama.cpp's `<__media__>` marker, and through chat; t
 either of llama.cpp's fc1/fc2 spellings and dequantized from Q8_0."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import helpers
 import mmproj_helpers
 import pytest
@@ -160,3 +163,33 @@ def test_a_quantized_text_gguf_keeps_its_blocks_beside_the_mmproj_with_logits_ne
     torch.testing.assert_close(logits[0], logits[1], atol=1e-3, rtol=1e-3)
     pixels = torch.randn(1, 3, 28, 28)
     torch.testing.assert_close(kept.model.encode(pixels), dense.model.encode(pixels))
+
+
+@pytest.mark.tp
+def test_tensor_parallel_over_two_ranks_gives_transformers_greedy_output(llava_gguf, gguf_llm):
+    folder, hf, text, mmproj, _ = llava_gguf
+    ids = mmproj_helpers.prompt_ids(folder, TWO_IMAGES)
+    images = [helpers.tiny_image(40, 30, seed=8), helpers.tiny_image(28, 28, seed=9)]
+    llm = LLM(text, mmproj=mmproj, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert _greedy(llm, ids, images) == _hf_greedy(gguf_llm[0], hf, ids, images)
+    finally:
+        llm.shutdown()
+
+
+FRONTEND_THEN_REPORT = """
+import sys
+from tokenloom.config import MultiModalConfig
+from tokenloom.multimodal.processor import ImageProcessor
+from tokenloom.tokenizer import Tokenizer
+processor = ImageProcessor.for_gguf(sys.argv[1], sys.argv[2], MultiModalConfig(), Tokenizer.from_gguf(sys.argv[1]))
+print(processor.image_text, "torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_the_api_process_reads_the_pair_without_importing_torch(llava_gguf):
+    _, _, text, mmproj, _ = llava_gguf
+    result = subprocess.run([sys.executable, "-c", FRONTEND_THEN_REPORT, text, mmproj], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "<image> torch imported: False"
