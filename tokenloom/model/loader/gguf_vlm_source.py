@@ -43,6 +43,5 @@ class GGUFVisionLanguageSource:
             yield name, tensor.to(dtype)
 
 
-
 def _text_name(name: str) -> str:
     return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
