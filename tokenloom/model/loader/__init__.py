@@ -5,6 +5,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -26,6 +27,9 @@ from tokenloom.model.loader.tensor_source import TensorSource
 from tokenloom.model.model_errors import CorruptModelError, ModelFileError, naming_the_file, one_line
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
+
+if TYPE_CHECKING:
+    from tokenloom.model.loader.gguf_vlm_source import GGUFVisionLanguageSource
 
 
 @dataclass
@@ -101,8 +105,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, prog
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, quantized: bool,
-          attention: AttentionBackend | None, tensors: TensorSource | None, start: float) -> LoadedModel:
-    """load_model's work: build the model, fill it, pack it."""
+          attention: AttentionBackend | None, tensors: TensorSource | GGUFVisionLanguageSource | None,
+          start: float) -> LoadedModel:
+    """load_model's work: build the model, fill it, pack it. `tensors`: a source other than the file at `path`
+    (weights in memory, or the GGUF with its mmproj), whose loaded form no cache holds."""
     tp = tp_group()
     mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized and tensors is None else None
     if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
