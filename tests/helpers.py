@@ -574,9 +574,10 @@ TINY_GEMMA3_MM_TOKENS = 16
 TINY_GEMMA3_TEMPLATE = TINY_LLAVA_TEMPLATE.replace("<image> ", "<start_of_image> ")
 
 
-def build_tiny_gemma3_mm(folder: str, seed: int = 0):
+def build_tiny_gemma3_mm(folder: str, seed: int = 0, text_overrides: dict | None = None):
     """A tiny random transformers Gemma3ForConditionalGeneration saved to `folder` with its tokenizer, image
-    processor config and chat template; returns the model (float32, eval mode), the reference."""
+    processor config and chat template (`text_overrides`: text_config fields to change); returns the model
+    (float32, eval mode), the reference."""
     import transformers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -585,6 +586,7 @@ def build_tiny_gemma3_mm(folder: str, seed: int = 0):
                 sliding_window=TINY_GEMMA3_WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=None,
                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                  "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    text.update(text_overrides or {})
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=56,
                   patch_size=7, vision_use_head=False)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision,

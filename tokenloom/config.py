@@ -90,9 +90,16 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     # vLLM's --logits-processors: module:Class names of tokenloom.LogitsProcessor subclasses, applied in order.
     logits_processors: list[str] | None = None
+    # llama.cpp's --mmproj: the GGUF holding a vision-language model's tower and projector, beside a GGUF text
+    # model (docs/multimodal.md#gguf-models-with-an-mmproj-file).
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
+        if self.mmproj is not None:
+            _check(os.path.isfile(self.mmproj), f"--mmproj {self.mmproj}: no such file")
+            _check(not os.path.isdir(self.model), f"--mmproj goes with a GGUF model file; {self.model} is a model "
+                   f"folder, which brings its own vision tower (serve it without --mmproj)")
         self.matmul_dtype = normalize_dtype(self.matmul_dtype)
         _check_dtype("dtype", self.dtype)
         _check_dtype("matmul_dtype", self.matmul_dtype)
@@ -742,6 +749,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     opt("runner", str, "generate | pooling (embeddings, /v1/embeddings) | auto (default: pooling for an encoder "
         "such as BERT, generate otherwise)")
     opt("convert", str, "embed: serve a decoder model as an embedding model (last-token pooling); auto | none")
+    opt("mmproj", str, "llama.cpp's multimodal projector GGUF (vision tower and projector) for a GGUF text model: "
+        "images in, text out (LLaVA, Gemma 3, Qwen2.5-VL; docs/multimodal.md)")
     opt("max_model_len", int, "context length; default the model's, clamped to the KV cache")
     opt("seed", int, "seed for requests without their own seed")
     opt("block_size", int, "tokens per KV block (default 16)")

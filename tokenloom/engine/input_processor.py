@@ -48,7 +48,11 @@ class InputProcessor:
         self.eos_token_ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(eos_token_ids)))
         # Checked here, on the API side, so a bad argument is a 400 before the request reaches the engine.
         self.logits_processor_classes = [load_processor_class(name) for name in config.model.logits_processors or ()]
-        self.image_processor = ImageProcessor.for_model(model_path, config.multimodal)
+        if config.model.mmproj is not None and model_path is not None:
+            self.image_processor = ImageProcessor.for_gguf(model_path, config.model.mmproj, config.multimodal,
+                                                           tokenizer)
+        else:
+            self.image_processor = ImageProcessor.for_model(model_path, config.multimodal)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -35,7 +35,6 @@ UNSUPPORTED: dict[tuple[str, ...], str] = {
         "tokenloom never downloads models: give a local GGUF file or model folder",
     ("--tool-parser-plugin",): "tool-parser plugins are not supported; see --tool-call-parser",
     ("--middleware",): "custom ASGI middleware is not supported",
-    ("--mmproj",): "GGUF vision projectors are not supported: serve a LLaVA safetensors folder (docs/multimodal.md)",
     ("--rope-scaling", "--rope-freq-base", "--rope-freq-scale"):
         "RoPE overrides are not supported: the model's own RoPE settings are used",
 }

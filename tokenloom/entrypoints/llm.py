@@ -133,7 +133,9 @@ class LLM:
              lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        split = [split_image_parts(conv) for conv in conversations]
+        processor = self.input_processor.image_processor
+        image_text = processor.image_text if processor is not None else None
+        split = [split_image_parts(conv, image_text) for conv in conversations]
         conversations, images = [c for c, _ in split], [refs for _, refs in split]
         for refs in images:
             self.input_processor.check_image_count(len(refs))

@@ -13,6 +13,9 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    # Qwen2.5-VL's text model (its M-RoPE sections read only with an mmproj: alone, every stream is the same
+    # position, which is the plain rotary).
+    "qwen2vl": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     # Mixture of experts (a "llama" file with experts is Mixtral: see from_gguf).

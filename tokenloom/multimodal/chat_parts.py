@@ -3,7 +3,9 @@ templates of vision-language models render as their image placeholder.
 
 Accepted parts: OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` (or the URL as a string), the
 Responses API's `{"type": "input_image", "image_url": ...}`, and offline only `{"type": "image_pil",
-"image_pil": PIL.Image}`. Messages without image parts are left as they are.
+"image_pil": PIL.Image}`. Messages without image parts are left as they are. For a GGUF served with its mmproj
+file, whose chat template is a text model's, a message with images becomes text with the image token written
+where each image stands.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ def image_part_ref(part: Mapping[str, object]) -> ImageRef:
     return value
 
 
-def split_image_parts(messages: Sequence[Mapping[str, object]]) -> tuple[list[dict], list[ImageRef]]:
-    """The messages as the chat template sees them, and their images in order."""
+def split_image_parts(messages: Sequence[Mapping[str, object]],
+                      image_text: str | None = None) -> tuple[list[dict], list[ImageRef]]:
+    """The messages as the chat template sees them, and their images in order. `image_text`: a message with
+    images becomes one string, its parts joined by newlines with `image_text` for each image (for a template
+    that renders text only, a GGUF's; llama.cpp's server writes its media marker the same way)."""
     out, images = [], []
     for message in messages:
         content = message.get("content")
@@ -51,5 +56,8 @@ def split_image_parts(messages: Sequence[Mapping[str, object]]) -> tuple[list[di
                 parts.append({"type": "text", "text": part.get("text")})
             else:
                 parts.append(dict(part) if isinstance(part, Mapping) else part)
+        if image_text is not None:
+            parts = "\n".join(image_text if p.get("type") == "image" else str(p.get("text") or "") for p in parts
+                               if isinstance(p, Mapping))
         out.append({**message, "content": parts})
     return out, images

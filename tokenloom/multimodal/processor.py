@@ -1,9 +1,10 @@
 """A multimodal model's frontend half: how its prompts take images.
 
 `ImageProcessor.for_model` reads the model folder's config.json and preprocessor_config.json (None for a
-model that reads no images) and picks the family (`FAMILIES`, by config.json's architecture) whose placeholders
-and preprocessing its prompts use; `prepare` turns a tokenized prompt and its decoded images into the prompt
-with each placeholder expanded and one `ImageInput` per image, ready for the engine.
+model that reads no images), `for_gguf` the metadata of a GGUF and its mmproj file, and picks the family
+(`FAMILIES`, by config.json's architecture) whose placeholders and preprocessing its prompts use; `prepare`
+turns a tokenized prompt and its decoded images into the prompt with each placeholder expanded and one
+`ImageInput` per image, ready for the engine.
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from tokenloom.multimodal.errors import ImageInputError
 from tokenloom.multimodal.gemma3_images import Gemma3Images
 from tokenloom.multimodal.image_decode import ImageLimits, decode_image
 from tokenloom.multimodal.llava_images import LlavaImages
+from tokenloom.multimodal.media_marker import MEDIA_MARKER, MarkedImages
+from tokenloom.multimodal.mmproj_config import gguf_vision_config
 from tokenloom.multimodal.qwen2_5_vl_images import Qwen2_5_VLImages
+from tokenloom.tokenizer import Tokenizer
 
 
 class ModelImages(Protocol):
@@ -42,11 +46,38 @@ FAMILIES: dict[str, Callable[[JsonObject, JsonObject], ModelImages]] = {
 }
 
 
+# config.json's architecture -> the text a prompt writes for each image, where no chat template renders image
+# parts (a GGUF's template is its text model's).
+IMAGE_TEXT = {"LlavaForConditionalGeneration": "<image>", "Gemma3ForConditionalGeneration": "<start_of_image>",
+              "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
 class ImageProcessor:
-    def __init__(self, family: ModelImages, config: MultiModalConfig):
+    def __init__(self, family: ModelImages, config: MultiModalConfig, image_text: str | None = None):
+        """`image_text`: the text the chat renderer writes for an image part itself (a GGUF with its mmproj);
+        None: the chat template renders `{"type": "image"}` parts (a model folder's)."""
         self.family = family
         self.config = config
+        self.image_text = image_text
         self.limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+
+    @classmethod
+    def for_gguf(cls, model_path: str, mmproj: str, config: MultiModalConfig,
+                 tokenizer: Tokenizer) -> "ImageProcessor":
+        """The processor of a GGUF text model and its llama.cpp mmproj file: the family of the model they make
+        together, its settings from the two files' metadata (mmproj_config). A vocabulary without an image
+        token gets llama.cpp's media marker (media_marker)."""
+        vision = gguf_vision_config(model_path, mmproj)
+        model_config = dict(vision.model_config)
+        arch = model_config["architectures"][0]
+        image_text = IMAGE_TEXT[arch]
+        if vision.uses_marker:
+            image_text = MEDIA_MARKER
+            model_config["image_token_index"] = tokenizer.add_special_token(MEDIA_MARKER)
+        family = FAMILIES[arch](model_config, vision.preprocessor_config)
+        if vision.uses_marker:
+            family = MarkedImages(family, tokenizer.unk_token_id or 0)
+        return cls(family, config, image_text)
 
     @classmethod
     def for_model(cls, path: str | None, config: MultiModalConfig) -> "ImageProcessor | None":

@@ -209,6 +209,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)
 
+    def add_special_token(self, text: str) -> int:
+        """Make `text` one special token (matched whole in any prompt, never split) and return its id: an id past
+        the vocabulary when the vocabulary lacks it."""
+        self.inner.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        token_id = self.inner.token_to_id(text)
+        self.all_special_ids.add(token_id)
+        return token_id
+
     def apply_chat_template(
         self,
         messages: Sequence[object],

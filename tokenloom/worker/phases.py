@@ -133,8 +133,9 @@ def load_target(config: EngineConfig, plan: DevicePlan, progress: bool, model: s
     """The served model, ready for the runner: from `model` (default the configured one) or from `tensors`
     in memory (a weight update), in the matmul form the config asks for."""
     device, dtype = plan.device, plan.dtype
+    mmproj = config.model.mmproj if model is None and tensors is None else None
     loaded = load_model(model or config.model.model, dtype, device, progress=progress, attention=plan.attention,
-                        tensors=tensors)
+                        tensors=tensors, mmproj=mmproj)
     if set_quantized_matmul(loaded.model, config.model.quantized_matmul):  # GGUF blocks on the native kernels
         logger.info("quantized weights multiply on the native kernels (%s)", config.model.quantized_matmul)
     matmul_dtype = same_or(config.model.matmul_dtype, dtype)

@@ -61,7 +61,10 @@ class OpenAIServingChat(OpenAIServing):
             if not m.has_images:
                 d["content"] = m.text_content() if m.content is not None else ""
             messages.append(d)
-        messages, _ = split_image_parts(messages)  # image parts as the template's {"type": "image"}
+        inputs = self.engine.input_processor
+        processor = inputs.image_processor if inputs is not None else None
+        # image parts as the template's {"type": "image"}, or the image token's text for a GGUF's template
+        messages, _ = split_image_parts(messages, processor.image_text if processor is not None else None)
         kwargs = dict(request.chat_template_kwargs or {})
         clash = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
         if clash:

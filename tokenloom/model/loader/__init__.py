@@ -5,6 +5,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -27,6 +28,9 @@ from tokenloom.model.model_errors import CorruptModelError, ModelFileError, nami
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.model.models.registry import model_class
 
+if TYPE_CHECKING:
+    from tokenloom.model.loader.gguf_vlm_source import GGUFVisionLanguageSource
+
 
 @dataclass
 class LoadedModel:
@@ -45,22 +49,31 @@ def _gguf_loader():
     return gguf_loader
 
 
-def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False):
+def open_model_source(path: str, dtype: torch.dtype, quantized: bool = False, mmproj: str | None = None):
     """The weights' source: an HF folder, a weight-cache entry (dense in `dtype`, or the repacked blocks when
-    `quantized`), or the GGUF file itself."""
+    `quantized`), the GGUF file itself, or a GGUF with its llama.cpp mmproj file (dense, never cached)."""
     if os.path.isdir(path):
         return HFModelFolder(path)
+    if mmproj is not None:
+        return _gguf_vlm_source().GGUFVisionLanguageSource(path, mmproj)
     cached = weight_cache.CachedWeights.lookup(path, weight_cache.QUANTIZED if quantized else dtype)
     return cached or _gguf_loader().GGUFModelFile(path)
 
 
-def read_arch_config(model: str | None) -> ArchConfig:
+def _gguf_vlm_source():
+    """tokenloom.model.loader.gguf_vlm_source, on first use (it imports gguf_loader: see _gguf_loader)."""
+    from tokenloom.model.loader import gguf_vlm_source  # lazy: imports the native kernels, which load at import
+    return gguf_vlm_source
+
+
+def read_arch_config(model: str | None, mmproj: str | None = None) -> ArchConfig:
     """The model's architecture without loading its weights (the EngineCore checks a parallel layout with it;
-    a model larger than memory is refused here, before any process loads it)."""
+    a model larger than memory is refused here, before any process loads it). With `mmproj`, the
+    vision-language model the GGUF and its mmproj file make together."""
     path = resolve_model_path(model)
     check_fits(path)
     with naming_the_file(path):
-        return open_model_source(path, torch.float32).arch_config
+        return open_model_source(path, torch.float32, mmproj=mmproj).arch_config
 
 
 def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -73,25 +86,31 @@ def keeps_quantized(path: str, device: torch.device, dtype: torch.dtype) -> bool
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, progress: bool = True,
                quantized: bool | None = None, attention: AttentionBackend | None = None,
-               tensors: TensorSource | None = None) -> LoadedModel:
+               tensors: TensorSource | None = None, mmproj: str | None = None) -> LoadedModel:
     """`quantized`: keep GGUF blocks quantized (None: when the native kernels run, keeps_quantized). `attention`:
     the backend whose impls the layers get (the engine's; None: `standalone_attention_backend`). `tensors`:
-    weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them."""
+    weights already in memory (a weight update), loaded dense instead of the file's; `model` then names them.
+    `mmproj`: a llama.cpp mmproj file whose vision tower (dense) joins the GGUF's text model (kept quantized as
+    alone, but never cached: the caches hold the text model's loaded form)."""
     start = time.perf_counter()
     path = resolve_model_path(model) if tensors is None else str(model)
     if tensors is None:
         check_fits(path)
     if quantized is None:
         quantized = tensors is None and keeps_quantized(path, device, dtype)
+    if tensors is None and mmproj is not None:
+        tensors = open_model_source(path, dtype, mmproj=mmproj)
     with naming_the_file(path):
         return _load(path, dtype, device, progress, quantized, attention, tensors, start)
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, quantized: bool,
-          attention: AttentionBackend | None, tensors: TensorSource | None, start: float) -> LoadedModel:
-    """load_model's work: build the model, fill it, pack it."""
+          attention: AttentionBackend | None, tensors: TensorSource | GGUFVisionLanguageSource | None,
+          start: float) -> LoadedModel:
+    """load_model's work: build the model, fill it, pack it. `tensors`: a source other than the file at `path`
+    (weights in memory, or the GGUF with its mmproj), whose loaded form no cache holds."""
     tp = tp_group()
-    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized else None
+    mapped = panel_cache.MappedPanels.lookup(path, tp.rank, tp.size) if quantized and tensors is None else None
     if mapped is not None:  # the loaded form of an earlier start, memory-mapped: nothing to read or repack
         net = _empty_model(mapped.arch_config, dtype, device, attention)
         if mapped.fill(net):
@@ -119,7 +138,7 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, progress: bool, q
     covered = getattr(net, "covered_names", lambda n: (n,))  # a stacked (MoE) tensor fills several names
     if not quantized:
         named = source.tensors(dtype)
-    elif from_gguf:
+    elif from_gguf or isinstance(source, _gguf_vlm_source().GGUFVisionLanguageSource):
         named = source.tensors(dtype, quantized=True)
     else:
         named = weight_cache.unflatten_quantized(source.tensors(dtype))

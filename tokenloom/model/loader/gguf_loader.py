@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, quants
 
 from tokenloom.gguf_layout import unpermute_qk
 from tokenloom.model.arch_config import ArchConfig
@@ -15,7 +15,7 @@ from tokenloom.model.layers.quantized_weight import QuantizedWeight
 from tokenloom.model.loader.gguf_repack import SUPPORTED, repack
 from tokenloom.model.model_errors import CorruptModelError, UnsupportedModelError, naming_the_file, one_line
 
-__all__ = ["CorruptModelError", "GGUFModelFile", "hf_name"]
+__all__ = ["CorruptModelError", "GGUFModelFile", "dense_tensor", "hf_name"]
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -47,6 +47,25 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str:
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{kind}"
     raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def dense_tensor(path: str, t: ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float (F32/F16 as stored, quantized blocks dequantized), in torch's dimension order."""
+    try:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(t.data)
+        else:
+            array = quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(f"{path}: tensor {t.name} uses unsupported quantization "
+                                    f"{t.tensor_type.name}") from None
+    except Exception as exc:
+        raise CorruptModelError(f"{path}: tensor {t.name} could not be read ({one_line(exc)})") from None
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+    except RuntimeError as exc:
+        raise CorruptModelError(f"{path}: tensor {t.name} could not be read ({one_line(exc)})") from None
 
 
 class GGUFModelFile:
@@ -87,18 +106,7 @@ class GGUFModelFile:
             if quantized and t.tensor_type.name in SUPPORTED and len(t.shape) == 2:
                 yield self._repacked(t)
                 continue
-            try:
-                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                    array = np.asarray(t.data)
-                else:
-                    array = quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
-                raise UnsupportedModelError(
-                    f"{self.path}: tensor {t.name} uses unsupported quantization {t.tensor_type.name}") from None
-            except Exception as exc:
-                raise CorruptModelError(f"{self.path}: tensor {t.name} could not be read ({one_line(exc)})") from None
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+            tensor = dense_tensor(self.path, t)
             name = self._hf_name(t.name)
             if self.arch == "gemma3" and name.endswith("norm.weight"):
                 tensor = tensor - 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
