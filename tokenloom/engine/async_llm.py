@@ -77,6 +77,7 @@ class AsyncLLM:
         self._requests = OpenRequests()
         self._bg: set[asyncio.Task[None]] = set()
         self._started = False
+        self._tok_task: asyncio.Future[Tokenizer] | None = None  # set by `launch`, awaited by `start`
         self._stopping = False
         # Called once per engine death, after every open request failed (the server restarts
         # the engine or exits); None: the server keeps answering 503.
@@ -143,20 +144,30 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ start / stop
 
-    async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
+    def launch(self) -> None:
+        """Spawn the engine process(es) and start loading the tokenizer in a thread, without waiting: a caller
+        with slow set-up of its own (the server imports its HTTP stack) calls this first, so that set-up runs
+        while the engine loads. Inside the event loop; `start` waits for both."""
+        if self._tok_task is not None or self._started:
+            return
         self.model_path = resolve_model_path(self.config.model.model)
-        tok_task = None
+        self.client.launch()
         if self.tokenizer is None:  # load it while the engine loads the weights
-            tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
+            self._tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
+        else:
+            self._tok_task = asyncio.get_running_loop().create_future()
+            self._tok_task.set_result(self.tokenizer)
+
+    async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
+        self.launch()
+        tok_task, self._tok_task = self._tok_task, None
+        assert tok_task is not None
         try:
             info = self.info = await self.client.start(startup_timeout=startup_timeout)
         except BaseException:
-            if tok_task is not None:
-                tok_task.cancel()
+            tok_task.cancel()
             raise
-        if tok_task is not None:
-            self.tokenizer = await tok_task
-        assert self.tokenizer is not None
+        self.tokenizer = await tok_task
         self.load.calibrate(info.warmup_decode_seconds)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len,
                                               info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids),
