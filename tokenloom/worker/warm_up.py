@@ -3,9 +3,9 @@ admission's first guess of the engine's speed; then the CUDA graphs' capture whe
 
 The passes run along the path a step takes (the native decoder stack where the runner has one, else the
 layer-by-layer forward): a 2-token prefill, which every weight, kernel and the thread pool meet first, then
-two decodes, the faster of which is the decode step's time. A prefill longer than 2 tokens touches nothing
-more, and it cost: on the 1B Q4_K_M with 2 threads the 8-token prefill the warm-up ran before took 116 ms of
-a 0.25 s warm-up, where 2 tokens take ~70 ms (the first pass is mostly the mapped weights' page faults).
+two decodes, the faster of which is the decode step's time. A longer prefill touches nothing more: on the
+1B Q4_K_M with 2 threads the 8-token prefill the warm-up ran before took 116 ms of a 0.25 s warm-up (80 ms
+when run again: the first pass is mostly the mapped weights' page faults), a decode 57 ms.
 """
 from __future__ import annotations
 
