@@ -94,6 +94,33 @@ def test_startup_failure_reported():
     run(main())
 
 
+def test_a_launched_engine_loads_before_start_which_adopts_that_process():
+    """`tokenloom serve` launches the engine, then imports its HTTP stack while the engine loads."""
+    client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: None, core_factory="fake_engine_core:make",
+                              heartbeat_interval=0.2)
+    client.launch()  # no event loop yet
+    pid = client.engine_pid
+    assert pid is not None and _alive(pid)
+
+    async def main():
+        info = await client.start(startup_timeout=30)
+        assert info.kv_cache.num_blocks == 64
+        assert client.engine_pid == pid and client.is_alive  # no second process
+        assert await client.call_utility("ping") == "pong"
+        client.shutdown()
+    run(main())
+    assert not _alive(pid)
+
+
+def test_an_engine_launched_but_never_started_is_stopped_by_shutdown():
+    """A start-up error of the server after the launch (a bad --lora-modules) leaves no engine behind."""
+    client = EngineCoreClient(EngineConfig(), on_outputs=lambda m: None, core_factory="fake_engine_core:make")
+    client.launch()
+    pid, sockets = client.engine_pid, client._tmpdir
+    client.shutdown()
+    assert not _alive(pid) and not os.path.exists(sockets)
+
+
 def test_long_step_is_not_death_but_a_frozen_engine_is(monkeypatch):
     monkeypatch.setenv("FAKE_CORE_STEP_DELAY", "1.5")
 

@@ -56,3 +56,20 @@ def test_the_engine_process_does_not_import_the_tokenizer():
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "imported:"
+
+
+SERVER_BEFORE_LAUNCH_THEN_REPORT = """
+import sys
+import tokenloom.entrypoints.cli
+import tokenloom.entrypoints.openai.api_server
+print("imported:" + ",".join(m for m in ("fastapi", "tokenloom.entrypoints.openai.app") if m in sys.modules))
+"""
+
+
+def test_the_server_imports_its_http_stack_only_after_launching_the_engine():
+    """FastAPI and the routes took 0.37 s of the 0.61 s before `tokenloom serve` launched its engine process;
+    imported after the launch, they load while the engine imports torch (docs/performance.md, "Loading")."""
+    result = subprocess.run([sys.executable, "-c", SERVER_BEFORE_LAUNCH_THEN_REPORT], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "imported:"

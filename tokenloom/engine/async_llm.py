@@ -18,8 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-
-from PIL import Image
+from typing import TYPE_CHECKING
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.engine_info import EngineInfo
@@ -33,9 +32,7 @@ from tokenloom.engine.admission import Reservation, ReservedWork
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.dp_client import DPEngineClient
 from tokenloom.engine.generation_defaults import GenerationDefaults, load_generation_defaults
-from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.load_estimator import LoadEstimator
-from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.replica_health import ReplicaHealth, replica_health
 from tokenloom.engine.request_errors import DuplicateRequestIdError, RequestFailedError, RequestTimeoutError
 from tokenloom.engine.request_events import RequestEvents
@@ -46,8 +43,14 @@ from tokenloom.engine.weight_updates import WeightUpdates
 from tokenloom.metrics import ServerMetrics
 from tokenloom.model.model_path import resolve_model_path
 from tokenloom.outputs import RequestOutput
-from tokenloom.tokenizer import Tokenizer
 from tokenloom.tracing import SpanTracer
+
+if TYPE_CHECKING:  # imported once the engine process is launched (`launch`, `start`)
+    from PIL import Image
+
+    from tokenloom.engine.input_processor import InputProcessor
+    from tokenloom.engine.output_processor import OutputProcessor
+    from tokenloom.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenloom.requests")
 
@@ -77,6 +80,7 @@ class AsyncLLM:
         self._requests = OpenRequests()
         self._bg: set[asyncio.Task[None]] = set()
         self._started = False
+        self._tok_task: asyncio.Future[Tokenizer] | None = None  # set by `launch`, awaited by `start`
         self._stopping = False
         # Called once per engine death, after every open request failed (the server restarts
         # the engine or exits); None: the server keeps answering 503.
@@ -143,20 +147,36 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ start / stop
 
-    async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
+    def launch(self) -> None:
+        """Spawn the engine process(es) and start loading the tokenizer in a thread, without waiting: a caller
+        with slow set-up of its own (the server imports its HTTP stack) calls this first, so that set-up runs
+        while the engine loads. Inside the event loop; `start` waits for both."""
+        if self._tok_task is not None or self._started:
+            return
         self.model_path = resolve_model_path(self.config.model.model)
-        tok_task = None
+        self.client.launch()
+        # lazy: the tokenizer, the input and output processors import numpy, jinja2 and PIL (0.1 s), after the launch
+        from tokenloom.tokenizer import Tokenizer
         if self.tokenizer is None:  # load it while the engine loads the weights
-            tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
+            self._tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
+            # A failed engine start reports its own error: the tokenizer's, if it failed as well, is not logged.
+            self._tok_task.add_done_callback(lambda task: task.cancelled() or task.exception())
+        else:
+            self._tok_task = asyncio.get_running_loop().create_future()
+            self._tok_task.set_result(self.tokenizer)
+
+    async def start(self, startup_timeout: float | None = None) -> "AsyncLLM":
+        self.launch()
+        tok_task, self._tok_task = self._tok_task, None
+        assert tok_task is not None
         try:
             info = self.info = await self.client.start(startup_timeout=startup_timeout)
         except BaseException:
-            if tok_task is not None:
-                tok_task.cancel()
+            tok_task.cancel()
             raise
-        if tok_task is not None:
-            self.tokenizer = await tok_task
-        assert self.tokenizer is not None
+        self.tokenizer = await tok_task
+        from tokenloom.engine.input_processor import InputProcessor  # lazy: as the tokenizer's, in `launch`
+        from tokenloom.engine.output_processor import OutputProcessor  # lazy: as the tokenizer's, in `launch`
         self.load.calibrate(info.warmup_decode_seconds)
         self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len,
                                               info.vocab_size or self.tokenizer.vocab_size, list(info.eos_token_ids),

@@ -2,9 +2,11 @@
 
 `EngineCoreClient` (asyncio):
 
-* `await start()` spawns ``python -m tokenloom.engine.core_proc`` (the engine config
-  goes as msgspec JSON on its stdin), binds two IPC sockets in a private temp dir and
-  waits for the engine's `Ready` message (or its start-up failure / exit);
+* `launch()` binds two IPC sockets in a private temp dir and spawns
+  ``python -m tokenloom.engine.core_proc`` (the engine config goes as msgspec JSON on its
+  stdin); `await start()` launches it if that has not happened yet and waits for the
+  engine's `Ready` message (or its start-up failure / exit). The server launches first and
+  imports its HTTP stack while the engine process imports torch and loads the weights;
 * `await add_request(req)`, `await abort_requests(ids)`, `await call_utility(name)`;
 * an output task decodes every message and hands `StepOutputs` to `on_outputs`;
 * the engine is declared dead (once, `on_dead(reason)` called) when its process exits,
@@ -119,8 +121,11 @@ class EngineCoreClient:
 
     # -------------------------------------------------------------- start-up
 
-    async def start(self, startup_timeout: float | None = None) -> EngineInfo:
-        self._loop = asyncio.get_running_loop()
+    def launch(self) -> None:
+        """Spawn the engine process now, without waiting for it (no event loop needed): it loads while the
+        caller does its own set-up. `start` waits for it."""
+        if self.proc is not None:
+            return
         self._tmpdir = make_socket_dir()
         input_addr = f"ipc://{self._tmpdir}/input.sock"
         output_addr = f"ipc://{self._tmpdir}/output.sock"
@@ -131,7 +136,6 @@ class EngineCoreClient:
         self._out = zmq.Socket(self._ctx, zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(output_addr)
-        self._reader = SocketReader(self._out, self._loop)
 
         cmd = [sys.executable, "-m", "tokenloom.engine.core_proc", "--input", input_addr,
                "--output", output_addr, "--parent-pid", str(os.getpid()),
@@ -144,6 +148,12 @@ class EngineCoreClient:
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(self.config))
         self.proc.stdin.close()
+
+    async def start(self, startup_timeout: float | None = None) -> EngineInfo:
+        """Launch the engine process (unless `launch` did) and wait until it is ready."""
+        self._loop = asyncio.get_running_loop()
+        self.launch()
+        self._reader = SocketReader(self._out, self._loop)
         threading.Thread(target=self._watch_process, name="engine-watch", daemon=True).start()
 
         try:

@@ -218,6 +218,11 @@ class DPEngineClient:
 
     # -------------------------------------------------------------- start / stop
 
+    def launch(self) -> None:
+        """Spawn every replica's process now, without waiting for them (`EngineCoreClient.launch`)."""
+        for replica in self.replicas:
+            replica.launch()
+
     async def start(self, startup_timeout: float | None = None) -> EngineInfo:
         """Start every replica at once (each loads its own weights); one failing fails the start."""
         results = await asyncio.gather(*(r.start(startup_timeout=startup_timeout) for r in self.replicas),

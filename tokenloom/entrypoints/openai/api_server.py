@@ -42,10 +42,8 @@ from tokenloom.engine.generation_defaults import load_generation_defaults
 from tokenloom.engine.request_log import LOG_LEVELS
 from tokenloom.entrypoints.compat import add_common_args, apply_threads, check_common_args, read_chat_template
 from tokenloom.entrypoints.lora_modules import parse_lora_modules, runtime_updates_from_env
-from tokenloom.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from tokenloom.entrypoints.openai.batch.settings import BatchSettings, add_batch_args
-from tokenloom.entrypoints.openai.errors import BadRequestError
-from tokenloom.entrypoints.openai.lora_models import LoRAModels
+from tokenloom.entrypoints.openai.server_settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from tokenloom.entrypoints.openai.server_state import (
     DEFAULT_MAX_EXPECTED_LATENCY,
     DEFAULT_MAX_QUEUE_WAIT,
@@ -426,6 +424,11 @@ async def serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     engine = AsyncLLM(config, served_model_name=names[0], heartbeat_timeout=args.engine_heartbeat_timeout,
                       log_requests=args.log_requests, step_timeout=args.engine_step_timeout)
+    engine.launch()  # the engine process imports torch and loads the weights while this one imports FastAPI
+    # lazy: the HTTP stack (0.4 s of imports) loads after the engine process is launched, not before it
+    from tokenloom.entrypoints.openai.app import build_app
+    from tokenloom.entrypoints.openai.errors import BadRequestError
+    from tokenloom.entrypoints.openai.lora_models import LoRAModels
     try:
         await engine.start(startup_timeout=args.engine_startup_timeout)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +20,6 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.anthropic.routes import register_messages_routes
 from tokenloom.entrypoints.native.routes import register_native_routes
 from tokenloom.entrypoints.openai.batch.routes import register_batch_routes
-from tokenloom.entrypoints.openai.batch.settings import BatchSettings
 from tokenloom.entrypoints.openai.body_guard import BodyGuardMiddleware
 from tokenloom.entrypoints.openai.errors import NotFoundError, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.head_requests import HeadAsGetMiddleware
@@ -35,6 +33,7 @@ from tokenloom.entrypoints.openai.protocol import (
 )
 from tokenloom.entrypoints.openai.request_admission import AdmissionMiddleware
 from tokenloom.entrypoints.openai.responses.routes import register_responses_routes
+from tokenloom.entrypoints.openai.server_settings import ServerSettings
 from tokenloom.entrypoints.openai.server_state import ServerState
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -42,26 +41,7 @@ from tokenloom.entrypoints.openai.serving_embedding import EmbeddingRequest, Ope
 from tokenloom.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.weight_routes import register_sleep_routes, register_weight_update_routes
 from tokenloom.entrypoints.ui import PUBLIC_PATHS, PUBLIC_PREFIX, mount_ui
-from tokenloom.exposure.connections import ConnectionLimits
-from tokenloom.exposure.cors import CorsSettings, install_cors
-
-DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
-
-
-@dataclass
-class ServerSettings:
-    served_model_names: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    system_fingerprint: str | None = None
-    cors: CorsSettings = field(default_factory=CorsSettings)  # none by default: no cross-origin access
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # timeouts and caps (uvicorn's side)
-    enable_ui: bool = True  # the web page at / (--no-ui: off)
-    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    batch: BatchSettings = field(default_factory=BatchSettings)  # /v1/files and /v1/batches
-    # Serving inside a training loop (entrypoints/openai/weight_routes.py): off unless asked for.
-    enable_weight_updates: bool = False
-    enable_sleep_mode: bool = False
+from tokenloom.exposure.cors import install_cors
 
 
 class ApiKeyMiddleware:
