@@ -61,9 +61,10 @@ def _reuse_loaded(loaded_by_path: dict, matmul_dtype=None):
     from tokenloom.model.model_path import resolve_model_path
     real = phases.load_model
 
-    def load(model, dtype, device, progress=True, attention=None, tensors=None):
-        if tensors is not None:  # a weight update's own tensors: nothing to share
-            return real(model, dtype, device, progress=progress, attention=attention, tensors=tensors)
+    def load(model, dtype, device, progress=True, attention=None, tensors=None, mmproj=None):
+        if tensors is not None or mmproj is not None:  # a weight update's own tensors, an mmproj pair: not shared
+            return real(model, dtype, device, progress=progress, attention=attention, tensors=tensors,
+                        mmproj=mmproj)
         # The layers' impls are the backend's: engines on different backends load apart.
         key = (resolve_model_path(model), dtype, torch.device(device), _matmul_key(matmul_dtype, dtype),
                attention.name if attention is not None else None)
