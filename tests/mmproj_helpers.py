@@ -147,6 +147,15 @@ def write_text_gguf(hf, folder: str, path: str, arch: str, image_token: bool = T
     writer.close()
     return path
 
+ENGINE = dict(progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05)
+
+
+def greedy_with_images(llm, ids: list[int], images) -> list[int]:
+    """The engine's greedy tokens for a prompt's ids and its images."""
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, helpers.vlm_greedy(),
+                       use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
 
 def prompt_ids(folder: str, prompt: str) -> list[int]:
     """The prompt's ids from the folder's tokenizer (the words of both tokenizers are one vocabulary)."""

@@ -13,7 +13,6 @@ from tokenloom.model.models.vision_language import pixel_tensor
 
 ONE_IMAGE = "USER: <start_of_image> what is in this picture ? ASSISTANT:"
 TWO_IMAGES = "USER: compare <start_of_image> and <start_of_image> please . ASSISTANT:"
-ENGINE = dict(progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +22,9 @@ def gemma3_gguf(tmp_path_factory):
     hf = helpers.build_tiny_gemma3_mm(folder, text_overrides=mmproj_helpers.GEMMA3_GGUF_TEXT)
     text = mmproj_helpers.write_gemma3_text_gguf(hf, folder, f"{folder}/text.gguf")
     mmproj = mmproj_helpers.write_mmproj(folder, f"{folder}/mmproj.gguf")
-    llm = LLM(text, mmproj=mmproj, **ENGINE)
+    llm = LLM(text, mmproj=mmproj, **mmproj_helpers.ENGINE)
     yield folder, hf, llm
     llm.shutdown()
-
-
-def _greedy(llm: LLM, ids: list[int], images) -> list[int]:
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, helpers.vlm_greedy(),
-                       use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
 
 
 def _hf_greedy(llm: LLM, hf, ids: list[int], images) -> list[int]:
@@ -46,11 +39,11 @@ def _hf_greedy(llm: LLM, hf, ids: list[int], images) -> list[int]:
 def test_greedy_output_with_one_image_equals_transformers_and_the_safetensors_folder(gemma3_gguf):
     folder, hf, llm = gemma3_gguf
     ids, image = mmproj_helpers.prompt_ids(folder, ONE_IMAGE), helpers.tiny_image(60, 90, seed=1)
-    got = _greedy(llm, ids, image)
+    got = mmproj_helpers.greedy_with_images(llm, ids, image)
     assert got == _hf_greedy(llm, hf, ids, [image])
-    folder_llm = LLM(folder, **ENGINE)
+    folder_llm = LLM(folder, **mmproj_helpers.ENGINE)
     try:
-        assert got == _greedy(folder_llm, ids, image)
+        assert got == mmproj_helpers.greedy_with_images(folder_llm, ids, image)
     finally:
         folder_llm.shutdown()
 
@@ -59,7 +52,7 @@ def test_greedy_output_with_two_images_equals_transformers(gemma3_gguf):
     folder, hf, llm = gemma3_gguf
     ids = mmproj_helpers.prompt_ids(folder, TWO_IMAGES)
     images = [helpers.tiny_image(40, 30, seed=2), helpers.tiny_image(25, 60, seed=3)]
-    assert _greedy(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
+    assert mmproj_helpers.greedy_with_images(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
 
 
 def test_the_vocabulary_start_of_image_token_marks_the_image_in_a_text_prompt(gemma3_gguf):

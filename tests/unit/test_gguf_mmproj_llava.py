@@ -17,7 +17,6 @@ from tokenloom.model.models.vision_language import pixel_tensor
 
 ONE_IMAGE = "USER: <image> what is in this picture ? ASSISTANT:"
 TWO_IMAGES = "USER: compare <image> and <image> please . ASSISTANT:"
-ENGINE = dict(progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +32,9 @@ def llava_gguf(tiny_llava, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gguf_llm(llava_gguf):
     _, hf, text, mmproj, _ = llava_gguf
-    llm = LLM(text, mmproj=mmproj, **ENGINE)
+    llm = LLM(text, mmproj=mmproj, **mmproj_helpers.ENGINE)
     yield llm, hf
     llm.shutdown()
-
-
-def _greedy(llm: LLM, ids: list[int], images) -> list[int]:
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, helpers.vlm_greedy(),
-                       use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
 
 
 def _hf_greedy(llm: LLM, hf, ids: list[int], images, image_token: int = helpers.TINY_LLAVA_IMAGE_TOKEN):
@@ -57,11 +50,11 @@ def test_greedy_output_with_one_image_equals_transformers_and_the_safetensors_fo
     folder = llava_gguf[0]
     llm, hf = gguf_llm
     ids, image = mmproj_helpers.prompt_ids(folder, ONE_IMAGE), helpers.tiny_image(40, 30, seed=1)
-    got = _greedy(llm, ids, image)
+    got = mmproj_helpers.greedy_with_images(llm, ids, image)
     assert got == _hf_greedy(llm, hf, ids, [image])
-    folder_llm = LLM(folder, **ENGINE)
+    folder_llm = LLM(folder, **mmproj_helpers.ENGINE)
     try:
-        assert got == _greedy(folder_llm, ids, image)
+        assert got == mmproj_helpers.greedy_with_images(folder_llm, ids, image)
     finally:
         folder_llm.shutdown()
 
@@ -70,7 +63,7 @@ def test_greedy_output_with_two_images_equals_transformers(llava_gguf, gguf_llm)
     llm, hf = gguf_llm
     ids = mmproj_helpers.prompt_ids(llava_gguf[0], TWO_IMAGES)
     images = [helpers.tiny_image(40, 30, seed=2), helpers.tiny_image(25, 60, seed=3)]
-    assert _greedy(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
+    assert mmproj_helpers.greedy_with_images(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
 
 
 def test_the_text_gguf_vocabulary_image_token_marks_the_image_in_a_text_prompt(gguf_llm):
@@ -97,7 +90,7 @@ def test_a_chat_image_part_is_written_as_the_image_token_in_a_text_only_template
 def test_a_vocabulary_without_an_image_token_places_images_at_llama_cpp_media_marker(llava_gguf):
     folder, hf, _, mmproj, tmp = llava_gguf
     text = mmproj_helpers.write_llava_text_gguf(hf, folder, str(tmp / "text-no-image.gguf"), image_token=False)
-    llm = LLM(text, mmproj=mmproj, **ENGINE)
+    llm = LLM(text, mmproj=mmproj, **mmproj_helpers.ENGINE)
     try:
         prompt, image = "USER: <__media__> what ASSISTANT:", helpers.tiny_image(40, 30, seed=6)
         ids = llm.tokenizer.encode(prompt)
@@ -113,9 +106,10 @@ def test_older_converters_fc1_named_ffn_down_reads_the_same(llava_gguf, gguf_llm
     folder, hf, text, _, tmp = llava_gguf
     legacy = mmproj_helpers.write_mmproj(folder, str(tmp / "mmproj-legacy.gguf"), legacy_ffn_names=True)
     ids, image = mmproj_helpers.prompt_ids(folder, ONE_IMAGE), helpers.tiny_image(40, 30, seed=7)
-    llm = LLM(text, mmproj=legacy, **ENGINE)
+    llm = LLM(text, mmproj=legacy, **mmproj_helpers.ENGINE)
     try:
-        assert _greedy(llm, ids, image) == _greedy(gguf_llm[0], ids, image)
+        expected = mmproj_helpers.greedy_with_images(gguf_llm[0], ids, image)
+        assert mmproj_helpers.greedy_with_images(llm, ids, image) == expected
     finally:
         llm.shutdown()
 
@@ -135,7 +129,7 @@ def test_a_q8_0_mmproj_dequantizes_to_image_rows_near_the_f32_ones(llava_gguf):
 
 def test_a_text_gguf_without_mmproj_stays_a_text_model(llava_gguf):
     text = llava_gguf[2]
-    llm = LLM(text, **ENGINE)
+    llm = LLM(text, **mmproj_helpers.ENGINE)
     try:
         assert llm.input_processor.image_processor is None
         with pytest.raises(ValueError, match="reads no images"):
@@ -170,9 +164,9 @@ def test_tensor_parallel_over_two_ranks_gives_transformers_greedy_output(llava_g
     folder, hf, text, mmproj, _ = llava_gguf
     ids = mmproj_helpers.prompt_ids(folder, TWO_IMAGES)
     images = [helpers.tiny_image(40, 30, seed=8), helpers.tiny_image(28, 28, seed=9)]
-    llm = LLM(text, mmproj=mmproj, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(text, mmproj=mmproj, tensor_parallel_size=2, **mmproj_helpers.ENGINE)
     try:
-        assert _greedy(llm, ids, images) == _hf_greedy(gguf_llm[0], hf, ids, images)
+        assert mmproj_helpers.greedy_with_images(llm, ids, images) == _hf_greedy(gguf_llm[0], hf, ids, images)
     finally:
         llm.shutdown()
 

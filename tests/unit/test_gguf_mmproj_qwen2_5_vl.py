@@ -14,7 +14,6 @@ from tokenloom.model.models.vision_language import pixel_tensor
 IMAGE = helpers.TINY_QWEN_VL_IMAGE
 ONE_IMAGE = f"USER: {IMAGE} what is in this picture ? ASSISTANT:"
 TWO_IMAGES = f"USER: compare {IMAGE} and {IMAGE} please . ASSISTANT:"
-ENGINE = dict(progress=False, dtype="float32", device="cpu", log_stats_interval=0, kv_cache_memory=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +23,9 @@ def qwen_gguf(tiny_qwen2_5_vl, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qwen2_5_vl_gguf")
     text = mmproj_helpers.write_qwen2_5_vl_text_gguf(hf, folder, str(tmp / "text.gguf"))
     mmproj = mmproj_helpers.write_mmproj(folder, str(tmp / "mmproj.gguf"))
-    llm = LLM(text, mmproj=mmproj, **ENGINE)
+    llm = LLM(text, mmproj=mmproj, **mmproj_helpers.ENGINE)
     yield folder, hf, llm
     llm.shutdown()
-
-
-def _greedy(llm: LLM, ids: list[int], images) -> list[int]:
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, helpers.vlm_greedy(),
-                       use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
 
 
 def _hf_greedy(llm: LLM, hf, ids: list[int], images) -> list[int]:
@@ -48,11 +41,11 @@ def _hf_greedy(llm: LLM, hf, ids: list[int], images) -> list[int]:
 def test_greedy_output_with_one_image_equals_transformers_and_the_safetensors_folder(qwen_gguf):
     folder, hf, llm = qwen_gguf
     ids, image = mmproj_helpers.prompt_ids(folder, ONE_IMAGE), helpers.tiny_image(60, 40, seed=1)
-    got = _greedy(llm, ids, image)
+    got = mmproj_helpers.greedy_with_images(llm, ids, image)
     assert got == _hf_greedy(llm, hf, ids, [image])
-    folder_llm = LLM(folder, **ENGINE)
+    folder_llm = LLM(folder, **mmproj_helpers.ENGINE)
     try:
-        assert got == _greedy(folder_llm, ids, image)
+        assert got == mmproj_helpers.greedy_with_images(folder_llm, ids, image)
     finally:
         folder_llm.shutdown()
 
@@ -63,7 +56,7 @@ def test_greedy_output_with_two_images_of_different_sizes_equals_transformers(qw
     images = [helpers.tiny_image(56, 84, seed=2), helpers.tiny_image(112, 56, seed=3)]
     expanded, _ = llm.input_processor.image_processor.prepare(ids, images)
     assert expanded.count(helpers.TINY_QWEN_VL_IMAGE_PAD) > 2 * 4  # not the smallest grid twice
-    assert _greedy(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
+    assert mmproj_helpers.greedy_with_images(llm, ids, images) == _hf_greedy(llm, hf, ids, images)
 
 
 def test_a_chat_image_part_is_written_as_the_vision_tokens_in_a_text_only_template(qwen_gguf):
