@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tokenloom and llama.cpp side by side on one GGUF, in one run:
 # llama-bench pp512/tg128 against tokenloom's offline prefill, then llama-server and tokenloom serve up
-# at once, `tokenloom bench serve` at concurrency 1 and 32 against each in turn (llama.cpp first, then
+# at once, `tokenloom bench serve` at concurrency 1 and CONCURRENCY (default 32; llama-server gets as many
+# slots, -np) against each in turn (llama.cpp first, then
 # tokenloom, then the same again in the other order, on fresh prompts: neither prefix cache hits), then
 # each server's RSS.
 #
@@ -34,7 +35,8 @@ OUT="${OUT:-bench-vs-llamacpp}"
 LLAMA_PORT="${LLAMA_PORT:-18501}"
 TL_PORT="${TL_PORT:-18502}"
 read -r -a B_ARGS <<< "${B_ARGS:-}"
-NUM_C32="${NUM_C32:-64}"
+HIGH="${CONCURRENCY:-32}"
+NUM_HIGH="${NUM_PROMPTS:-$((HIGH * 2))}"  # requests at the high concurrency
 mkdir -p "$OUT"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -50,7 +52,7 @@ if [ ${#B_ARGS[@]} -gt 0 ]; then
     --json "$OUT/tokenloom_b_prefill.json" "${B_ARGS[@]}" > "$OUT/tokenloom_b_prefill.log" 2>&1
 fi
 
-"$LLAMA_BIN/llama-server" -m "$MODEL" -t 2 -c 65536 -np 32 --host 127.0.0.1 --port "$LLAMA_PORT" \
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t 2 -c 65536 -np "$HIGH" --host 127.0.0.1 --port "$LLAMA_PORT" \
   > "$OUT/llama_server.log" 2>&1 & pids+=($!); llama_pid=$!
 $TL serve "$MODEL" --port "$TL_PORT" --max-model-len 4096 "${TL_ARGS[@]}" > "$OUT/tokenloom_server.log" 2>&1 &
 pids+=($!); tl_pid=$!
@@ -68,8 +70,8 @@ run() {  # name port concurrency prompts round
     --output-len 128 --ignore-eos --num-prompts "$4" --max-concurrency "$3" --warmup 1 --seed "$3$5" \
     --json "$OUT/$1_c$3_r$5.json" > "$OUT/$1_c$3_r$5.log" 2>&1 || echo "($1, concurrency $3, round $5: some requests failed; see its log)"
 }
-for c in 1 32; do
-  n=$([ "$c" = 1 ] && echo 6 || echo "$NUM_C32")
+for c in 1 "$HIGH"; do
+  n=$([ "$c" = 1 ] && echo 6 || echo "$NUM_HIGH")
   echo "== bench serve, concurrency $c: llama.cpp, tokenloom(, tokenloom_b), then the same backwards"
   run llama "$LLAMA_PORT" "$c" "$n" 1; run tokenloom "$TL_PORT" "$c" "$n" 1
   if [ -n "${tl_b_pid:-}" ]; then run tokenloom_b "$((TL_PORT + 1))" "$c" "$n" 1; run tokenloom_b "$((TL_PORT + 1))" "$c" "$n" 2; fi
@@ -82,9 +84,9 @@ tl_b_engine=$( [ -n "${tl_b_pid:-}" ] && pgrep -P "$tl_b_pid" | head -1 || true)
 {
   echo "RSS MiB after the runs: llama-server $(rss "$llama_pid"); tokenloom API $(rss "$tl_pid")" \
        "${tl_engine:+engine $(rss "$tl_engine")}${tl_b_engine:+; tokenloom_b engine $(rss "$tl_b_engine")}"
-  $PY - "$OUT" <<'PY'
+  $PY - "$OUT" "$HIGH" <<'PY'
 import glob, json, os, sys
-out = sys.argv[1]
+out, high = sys.argv[1], int(sys.argv[2])
 bench = json.load(open(f"{out}/llama_bench.json"))
 pp = next(r["avg_ts"] for r in bench if r["n_prompt"] == 512)
 tg = next(r["avg_ts"] for r in bench if r["n_gen"] == 128)
@@ -93,7 +95,7 @@ for name in ("tokenloom", "tokenloom_b"):
     if os.path.exists(f"{out}/{name}_prefill.json"):
         tl = json.load(open(f"{out}/{name}_prefill.json"))
         print(f"{name} prefill 16x512: {tl['total_tokens_per_s']:.1f} tokens/s ({tl['total_tokens_per_s'] / pp:.2f}x pp512)")
-for c in (1, 32):
+for c in (1, high):
     for path in sorted(glob.glob(f"{out}/*_c{c}_r*.json")):
         r = json.load(open(path))["runs"][0]
         name = os.path.basename(path)[:-5]
