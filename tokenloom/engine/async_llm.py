@@ -155,8 +155,8 @@ class AsyncLLM:
             return
         self.model_path = resolve_model_path(self.config.model.model)
         self.client.launch()
-        # lazy: the tokenizer, the input and output processors import numpy, jinja2 and PIL (0.1 s), after the launch
-        from tokenloom.tokenizer import Tokenizer
+        # The tokenizer and the input and output processors import numpy, jinja2 and PIL (0.1 s): after the launch.
+        from tokenloom.tokenizer import Tokenizer  # lazy: imported once the engine process is launched
         if self.tokenizer is None:  # load it while the engine loads the weights
             self._tok_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_model_path, self.model_path))
             # A failed engine start reports its own error: the tokenizer's, if it failed as well, is not logged.

@@ -425,10 +425,10 @@ async def serve(args: argparse.Namespace) -> int:
     engine = AsyncLLM(config, served_model_name=names[0], heartbeat_timeout=args.engine_heartbeat_timeout,
                       log_requests=args.log_requests, step_timeout=args.engine_step_timeout)
     engine.launch()  # the engine process imports torch and loads the weights while this one imports FastAPI
-    # lazy: the HTTP stack (0.4 s of imports) loads after the engine process is launched, not before it
-    from tokenloom.entrypoints.openai.app import build_app
-    from tokenloom.entrypoints.openai.errors import BadRequestError
-    from tokenloom.entrypoints.openai.lora_models import LoRAModels
+    # The HTTP stack (0.4 s of imports) loads after the engine process is launched, not before it.
+    from tokenloom.entrypoints.openai.app import build_app  # lazy: after the engine's launch
+    from tokenloom.entrypoints.openai.errors import BadRequestError  # lazy: after the engine's launch
+    from tokenloom.entrypoints.openai.lora_models import LoRAModels  # lazy: after the engine's launch
     try:
         await engine.start(startup_timeout=args.engine_startup_timeout)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
