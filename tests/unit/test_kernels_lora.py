@@ -113,3 +113,25 @@ def test_schema_and_fake():
     y, x, a, b, scaling, row_slots = _case(3, 16, 24, 2, 4, seed=12)
     torch.library.opcheck(torch.ops.tokenloom.lora_add.default, (y, x, a, b, scaling, row_slots),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_row_gets_the_same_bits_alone_and_in_a_large_batch(dtype):
+    """Up to 8 adapter rows take the rank-split schedule (two threads each summing half the ranks), more rows
+    the block schedule: both sum the ranks in the same two halves, so batching never changes a row."""
+    y, x, a, b, scaling, row_slots = _case(32, 576, 320, 4, 16, seed=15)
+    a, b = a.to(dtype), b.to(dtype)
+    batched = y.clone()
+    torch.ops.tokenloom.lora_add(batched, x, a, b, scaling, row_slots)
+    for row in (0, 1, 7, 31):
+        alone = y[row:row + 1].clone()
+        torch.ops.tokenloom.lora_add(alone, x[row:row + 1], a, b, scaling, row_slots[row:row + 1])
+        assert torch.equal(alone[0], batched[row])
+
+
+@pytest.mark.parametrize("rank", [1, 7, 8, 16, 33], ids=str)
+def test_few_rows_match_the_reference_at_every_rank(rank):
+    """The rank-split schedule (a decode step at low concurrency), odd ranks and outputs not a multiple of
+    the vector width included."""
+    native, reference = _both(*_case(3, 100, 200, 2, rank, seed=16 + rank, base_every=4))
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)

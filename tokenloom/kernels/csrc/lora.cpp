@@ -1,27 +1,36 @@
-// The mixed-batch LoRA op (tokenloom/kernels/lora_ops.py has the layout and the torch reference):
+// The mixed-batch LoRA pass (tokenloom/kernels/lora_ops.py has the layout and the torch reference):
 //   y[t] += scaling[s] * (x[t] @ lora_a[s].T) @ lora_b[s]   for every row t whose slot s = row_slots[t] >= 0.
 // y, x and scaling are float32; the slots (lora_a, lora_b) float32, bfloat16 or float16 (--lora-dtype), widened
 // to float32 as they are loaded, so the sums are float32 whatever the slots hold.
 //
-// The rows are first grouped by slot (a counting sort of a few dozen ints), then cut into blocks of up to
-// ROW_BLOCK rows of one adapter, so every load of A or B serves a whole block:
+// The rows are grouped by slot once (plan_rows: a counting sort of a few dozen ints; the decoder stack does it
+// once a step for its 7 targets a layer), then cut into blocks of up to ROW_BLOCK rows of one adapter, so every
+// load of A or B serves a whole block:
 // - shrink: h[t, r] = scaling[s] * x[t] . lora_a[s, r], a tile of ROW_BLOCK rows x SHRINK_RANKS ranks at a time
 //   (each A vector loaded once for the block's rows, each x vector once for the tile's ranks);
 // - expand: y[t, o] += sum_r h[t, r] * lora_b[s, r, o], two vectors of outputs for a block's rows at a time
-//   (each B vector loaded once for the block), parallel over chunks of the outputs, B's panel of a chunk
-//   ([rank, OUT_CHUNK] floats) staying in L1 across the blocks of its adapter.
-// A pass smaller than PARALLEL_MIN_MACS runs on the calling thread: a decode step's pass at batch 1 is a few
-// thousand multiply-adds, less than waking the other threads costs. Rows whose slot is -1 cost nothing.
-#include <ATen/ATen.h>
+//   (each B vector loaded once for the block).
+// The expand sums its ranks in two halves (rank >= SPLIT_MIN_RANK): y + (first half), then + (second half,
+// summed from zero). That fixed order lets two schedules give every row the same bits:
+// - few rows (a decode step at low concurrency, <= RANK_SPLIT_MAX_ROWS): one parallel pass over (target,
+//   half) items, each thread reading half of every target's A and B; a layer's q, k and v (or gate and up)
+//   go in one pass. At batch 1 the pass is bound by fetching A and B from memory (the base weights stream
+//   through the caches between two layers' adapters), which one thread does at half the rate two do.
+// - more rows: per target, the shrink parallel over blocks, the expand over chunks of OUT_CHUNK outputs,
+//   B's panel of a chunk ([rank, OUT_CHUNK] floats) staying in L1 across the blocks of its adapter; a pass
+//   smaller than PARALLEL_MIN_MACS runs on the calling thread.
+// Rows whose slot is -1 cost nothing.
+#include "lora.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <vector>
+#include <type_traits>
 
 #include "vec_math.h"
 
+namespace tokenloom_lora {
 namespace {
 
 using namespace tokenloom_vec;
@@ -33,10 +42,15 @@ constexpr int64_t OUT_CHUNK = 128;
 // registers; AVX2's 16 registers take 4 x 2.
 constexpr int ROW_BLOCK = 4;
 constexpr int SHRINK_RANKS = VL == 16 ? 4 : 2;
-// Below this many multiply-adds a pass runs inline. Measured on the embedded SmolLM2's shapes (2 threads,
-// AVX512, 2026-12-03): at batch 1 (9k multiply-adds a q projection's pass) two threads took 0.88 ms a step for
-// the 210 LoRA calls against 0.58 ms on one; at batch 32 (295k) the two threads win.
+// Block schedule: below this many multiply-adds a pass runs inline (batch 32 on the embedded SmolLM2's q
+// projection is 295k and gains from two threads, 2026-12-03).
 constexpr int64_t PARALLEL_MIN_MACS = 1 << 17;
+// Up to this many adapter rows take the rank-split schedule: one or two blocks leave the block-parallel
+// shrink on one thread.
+constexpr int64_t RANK_SPLIT_MAX_ROWS = 8;
+constexpr int64_t SPLIT_MIN_RANK = 8;
+
+inline int64_t split_of(int64_t rank) { return rank >= SPLIT_MIN_RANK ? rank / 2 : rank; }
 
 // One slot element (float, bfloat16 or float16) as float32: a vector of VL, or one.
 inline vf load_w(const float* p) { return vload(p); }
@@ -45,134 +59,258 @@ inline vf load_w(const at::Half* p) { return vload_f16(reinterpret_cast<const ui
 template <typename W>
 inline float scalar_w(W v) { return static_cast<float>(v); }
 
-struct Block {
-  int32_t slot;
-  int32_t first;  // index into the slot-sorted row order
-  int32_t rows;
-};
-
+// h[n * hs + r + j] = scale * x_n . a[r + j] for the tile's R ranks from r.
 template <typename W, int N, int R>
-inline void shrink_tile(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank,
-                        int64_t r0) {
+inline void shrink_tile(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t hs, int64_t r) {
   vf acc[N][R];
   for (int n = 0; n < N; ++n)
-    for (int r = 0; r < R; ++r) acc[n][r] = vzero();
+    for (int j = 0; j < R; ++j) acc[n][j] = vzero();
   int64_t i = 0;
   for (; i + VL <= in; i += VL) {
     vf av[R];
-    for (int r = 0; r < R; ++r) av[r] = load_w(a + (r0 + r) * in + i);
+    for (int j = 0; j < R; ++j) av[j] = load_w(a + (r + j) * in + i);
     for (int n = 0; n < N; ++n) {
       const vf xv = vload(xs[n] + i);
-      for (int r = 0; r < R; ++r) acc[n][r] = vfma(xv, av[r], acc[n][r]);
+      for (int j = 0; j < R; ++j) acc[n][j] = vfma(xv, av[j], acc[n][j]);
     }
   }
   for (int n = 0; n < N; ++n)
-    for (int r = 0; r < R; ++r) {
-      float sum = vsum(acc[n][r]);
-      for (int64_t j = i; j < in; ++j) sum += xs[n][j] * scalar_w(a[(r0 + r) * in + j]);
-      h[n * rank + r0 + r] = scale * sum;
+    for (int j = 0; j < R; ++j) {
+      float sum = vsum(acc[n][j]);
+      for (int64_t k = i; k < in; ++k) sum += xs[n][k] * scalar_w(a[(r + j) * in + k]);
+      h[n * hs + r + j] = scale * sum;
     }
 }
 
 template <typename W, int N>
-void shrink_block(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank) {
-  int64_t r = 0;
-  for (; r + SHRINK_RANKS <= rank; r += SHRINK_RANKS) shrink_tile<W, N, SHRINK_RANKS>(xs, a, in, scale, h, rank, r);
-  for (; r < rank; ++r) shrink_tile<W, N, 1>(xs, a, in, scale, h, rank, r);
+void shrink_block(const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t hs, int64_t r0,
+                  int64_t r1) {
+  int64_t r = r0;
+  for (; r + SHRINK_RANKS <= r1; r += SHRINK_RANKS) shrink_tile<W, N, SHRINK_RANKS>(xs, a, in, scale, h, hs, r);
+  for (; r < r1; ++r) shrink_tile<W, N, 1>(xs, a, in, scale, h, hs, r);
 }
 
+// Outputs [o0, o1) of rows n: d[n][o] = (accumulate ? d[n][o] : 0) + sum over ranks [r0, r1) of
+// h[n * hs + r] * b[r * out + o], where output o of row n lives at dst[n][o - shift].
 template <typename W, int N>
-void expand_block(float* const* ys, const float* h, const W* b, int64_t out, int64_t rank, int64_t o0,
-                  int64_t o1) {
+void expand_block(float* const* dst, int64_t shift, bool accumulate, const float* h, int64_t hs, const W* b,
+                  int64_t out, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
   int64_t o = o0;
   for (; o + 2 * VL <= o1; o += 2 * VL) {
     vf acc[N][2];
     for (int n = 0; n < N; ++n) {
-      acc[n][0] = vload(ys[n] + o);
-      acc[n][1] = vload(ys[n] + o + VL);
+      acc[n][0] = accumulate ? vload(dst[n] + (o - shift)) : vzero();
+      acc[n][1] = accumulate ? vload(dst[n] + (o - shift) + VL) : vzero();
     }
-    for (int64_t r = 0; r < rank; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const vf b0 = load_w(b + r * out + o), b1 = load_w(b + r * out + o + VL);
       for (int n = 0; n < N; ++n) {
-        const vf hv = vset1(h[n * rank + r]);
+        const vf hv = vset1(h[n * hs + r]);
         acc[n][0] = vfma(hv, b0, acc[n][0]);
         acc[n][1] = vfma(hv, b1, acc[n][1]);
       }
     }
     for (int n = 0; n < N; ++n) {
-      vstore(ys[n] + o, acc[n][0]);
-      vstore(ys[n] + o + VL, acc[n][1]);
+      vstore(dst[n] + (o - shift), acc[n][0]);
+      vstore(dst[n] + (o - shift) + VL, acc[n][1]);
     }
   }
   for (; o + VL <= o1; o += VL) {
     vf acc[N];
-    for (int n = 0; n < N; ++n) acc[n] = vload(ys[n] + o);
-    for (int64_t r = 0; r < rank; ++r) {
+    for (int n = 0; n < N; ++n) acc[n] = accumulate ? vload(dst[n] + (o - shift)) : vzero();
+    for (int64_t r = r0; r < r1; ++r) {
       const vf bv = load_w(b + r * out + o);
-      for (int n = 0; n < N; ++n) acc[n] = vfma(vset1(h[n * rank + r]), bv, acc[n]);
+      for (int n = 0; n < N; ++n) acc[n] = vfma(vset1(h[n * hs + r]), bv, acc[n]);
     }
-    for (int n = 0; n < N; ++n) vstore(ys[n] + o, acc[n]);
+    for (int n = 0; n < N; ++n) vstore(dst[n] + (o - shift), acc[n]);
   }
   for (; o < o1; ++o)
     for (int n = 0; n < N; ++n) {
-      float acc = ys[n][o];
-      for (int64_t r = 0; r < rank; ++r) acc += h[n * rank + r] * scalar_w(b[r * out + o]);
-      ys[n][o] = acc;
+      float acc = accumulate ? dst[n][o - shift] : 0.0f;
+      for (int64_t r = r0; r < r1; ++r) acc += h[n * hs + r] * scalar_w(b[r * out + o]);
+      dst[n][o - shift] = acc;
     }
 }
 
 // The block's shrink and expand for its row count, 1..ROW_BLOCK.
 template <typename W>
-void shrink_rows(int rows, const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t rank) {
+void shrink_rows(int rows, const float* const* xs, const W* a, int64_t in, float scale, float* h, int64_t hs,
+                 int64_t r0, int64_t r1) {
   switch (rows) {
-    case 1: shrink_block<W, 1>(xs, a, in, scale, h, rank); break;
-    case 2: shrink_block<W, 2>(xs, a, in, scale, h, rank); break;
-    case 3: shrink_block<W, 3>(xs, a, in, scale, h, rank); break;
-    default: shrink_block<W, 4>(xs, a, in, scale, h, rank); break;
+    case 1: shrink_block<W, 1>(xs, a, in, scale, h, hs, r0, r1); break;
+    case 2: shrink_block<W, 2>(xs, a, in, scale, h, hs, r0, r1); break;
+    case 3: shrink_block<W, 3>(xs, a, in, scale, h, hs, r0, r1); break;
+    default: shrink_block<W, 4>(xs, a, in, scale, h, hs, r0, r1); break;
   }
 }
 
 template <typename W>
-void expand_rows(int rows, float* const* ys, const float* h, const W* b, int64_t out, int64_t rank, int64_t o0,
-                 int64_t o1) {
+void expand_rows(int rows, float* const* dst, int64_t shift, bool accumulate, const float* h, int64_t hs, const W* b,
+                 int64_t out, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
   switch (rows) {
-    case 1: expand_block<W, 1>(ys, h, b, out, rank, o0, o1); break;
-    case 2: expand_block<W, 2>(ys, h, b, out, rank, o0, o1); break;
-    case 3: expand_block<W, 3>(ys, h, b, out, rank, o0, o1); break;
-    default: expand_block<W, 4>(ys, h, b, out, rank, o0, o1); break;
+    case 1: expand_block<W, 1>(dst, shift, accumulate, h, hs, b, out, r0, r1, o0, o1); break;
+    case 2: expand_block<W, 2>(dst, shift, accumulate, h, hs, b, out, r0, r1, o0, o1); break;
+    case 3: expand_block<W, 3>(dst, shift, accumulate, h, hs, b, out, r0, r1, o0, o1); break;
+    default: expand_block<W, 4>(dst, shift, accumulate, h, hs, b, out, r0, r1, o0, o1); break;
+  }
+}
+
+// dst[o] += add[o]
+void add_row(float* dst, const float* add, int64_t n) {
+  int64_t o = 0;
+  for (; o + VL <= n; o += VL) vstore(dst + o, vadd(vload(dst + o), vload(add + o)));
+  for (; o < n; ++o) dst[o] += add[o];
+}
+
+// Calls f with a null pointer of the slots' element type.
+template <typename F>
+void with_slot_type(at::ScalarType dtype, F f) {
+  if (dtype == at::kFloat)
+    f(static_cast<const float*>(nullptr));
+  else if (dtype == at::kBFloat16)
+    f(static_cast<const at::BFloat16*>(nullptr));
+  else
+    f(static_cast<const at::Half*>(nullptr));
+}
+
+// Rank-split schedule, one item: ranks [r0, r1) of target t for every planned row. The first half (r0 == 0)
+// accumulates onto y; the second writes its sum from zero into `partial` [used, out], added to y after the pass.
+template <typename W>
+void split_item(const RowPlan& plan, const Target& t, const float* x, int64_t x_stride, const float* scaling,
+                int64_t r0, int64_t r1, float* h, float* partial) {
+  const W* a = static_cast<const W*>(t.a);
+  const W* b = static_cast<const W*>(t.b);
+  for (const Block& blk : plan.blocks) {
+    const float* xs[ROW_BLOCK];
+    float* dst[ROW_BLOCK];
+    for (int n = 0; n < blk.rows; ++n) {
+      const int32_t row = plan.order[blk.first + n];
+      xs[n] = x + row * x_stride;
+      dst[n] = partial ? partial + (blk.first + n) * t.out : t.y + row * t.y_stride;
+    }
+    float* hb = h + blk.first * t.rank;
+    shrink_rows<W>(blk.rows, xs, a + blk.slot * t.rank * t.in, t.in, scaling[blk.slot], hb, t.rank, r0, r1);
+    const W* bs = b + blk.slot * t.rank * t.out;
+    for (int64_t o0 = 0; o0 < t.out; o0 += OUT_CHUNK)
+      expand_rows<W>(blk.rows, dst, 0, !partial, hb, t.rank, bs, t.out, r0, r1, o0, std::min(t.out, o0 + OUT_CHUNK));
+  }
+}
+
+void add_rank_split(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
+                    const float* scaling) {
+  const int64_t used = static_cast<int64_t>(plan.order.size());
+  // Per target: h [used, rank], then partial [used, out].
+  std::vector<int64_t> offset(static_cast<size_t>(count) + 1, 0);
+  for (int64_t k = 0; k < count; ++k) offset[k + 1] = offset[k] + used * (targets[k].rank + targets[k].out);
+  plan.scratch.resize(static_cast<size_t>(offset[count]));
+  float* scratch = plan.scratch.data();
+  // Item i: target i % count, half i / count: with two threads, one takes every first half, the other every
+  // second half.
+  at::parallel_for(0, 2 * count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Target& t = targets[i % count];
+      const int64_t split = split_of(t.rank), second = i / count;
+      if (second && split == t.rank) continue;
+      float* h = scratch + offset[i % count];
+      with_slot_type(t.dtype, [&](auto tag) {
+        using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        split_item<W>(plan, t, x, x_stride, scaling, second ? split : 0, second ? t.rank : split, h,
+                      second ? h + used * t.rank : nullptr);
+      });
+    }
+  });
+  for (int64_t k = 0; k < count; ++k) {
+    const Target& t = targets[k];
+    if (split_of(t.rank) == t.rank) continue;
+    const float* partial = scratch + offset[k] + used * t.rank;
+    for (int64_t p = 0; p < used; ++p) add_row(t.y + plan.order[p] * t.y_stride, partial + p * t.out, t.out);
   }
 }
 
 int64_t grain_for(int64_t items, int64_t macs) { return macs < PARALLEL_MIN_MACS ? std::max<int64_t>(items, 1) : 1; }
 
-// Both passes over the blocks, the slots' elements of type W.
+// Block schedule for one target: the shrink parallel over blocks, the expand over chunks of outputs.
 template <typename W>
-void add_deltas(float* yp, int64_t y_stride, const float* xp, int64_t x_stride, const W* ap, const W* bp,
-                const float* sp, const std::vector<int32_t>& order, const std::vector<Block>& blocks, int64_t in,
-                int64_t out, int64_t rank) {
-  const int64_t used = static_cast<int64_t>(order.size()), num_blocks = static_cast<int64_t>(blocks.size());
-  // h[p, r] for the p-th row of the sorted order, already multiplied by its slot's scaling.
-  std::vector<float> h(static_cast<size_t>(used * rank));
-  at::parallel_for(0, num_blocks, grain_for(num_blocks, used * rank * in), [&](int64_t begin, int64_t end) {
+void add_blocks(RowPlan& plan, const Target& t, const float* x, int64_t x_stride, const float* scaling) {
+  const W* a = static_cast<const W*>(t.a);
+  const W* b = static_cast<const W*>(t.b);
+  const int64_t used = static_cast<int64_t>(plan.order.size()), num_blocks = static_cast<int64_t>(plan.blocks.size());
+  const int64_t rank = t.rank, split = split_of(rank);
+  plan.scratch.resize(static_cast<size_t>(used * rank));
+  float* h = plan.scratch.data();
+  at::parallel_for(0, num_blocks, grain_for(num_blocks, used * rank * t.in), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      const Block& blk = blocks[k];
+      const Block& blk = plan.blocks[k];
       const float* xs[ROW_BLOCK];
-      for (int n = 0; n < blk.rows; ++n) xs[n] = xp + order[blk.first + n] * x_stride;
-      shrink_rows<W>(blk.rows, xs, ap + blk.slot * rank * in, in, sp[blk.slot], h.data() + blk.first * rank, rank);
+      for (int n = 0; n < blk.rows; ++n) xs[n] = x + plan.order[blk.first + n] * x_stride;
+      shrink_rows<W>(blk.rows, xs, a + blk.slot * rank * t.in, t.in, scaling[blk.slot], h + blk.first * rank, rank,
+                     0, rank);
     }
   });
-  const int64_t chunks = (out + OUT_CHUNK - 1) / OUT_CHUNK;
-  at::parallel_for(0, chunks, grain_for(chunks, used * rank * out), [&](int64_t begin, int64_t end) {
+  const int64_t chunks = (t.out + OUT_CHUNK - 1) / OUT_CHUNK;
+  at::parallel_for(0, chunks, grain_for(chunks, used * rank * t.out), [&](int64_t begin, int64_t end) {
+    float second[ROW_BLOCK][OUT_CHUNK];
+    float* seconds[ROW_BLOCK] = {second[0], second[1], second[2], second[3]};
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t o0 = c * OUT_CHUNK, o1 = std::min(out, o0 + OUT_CHUNK);
-      for (const Block& blk : blocks) {
+      const int64_t o0 = c * OUT_CHUNK, o1 = std::min(t.out, o0 + OUT_CHUNK);
+      for (const Block& blk : plan.blocks) {
         float* ys[ROW_BLOCK];
-        for (int n = 0; n < blk.rows; ++n) ys[n] = yp + order[blk.first + n] * y_stride;
-        expand_rows<W>(blk.rows, ys, h.data() + blk.first * rank, bp + blk.slot * rank * out, out, rank, o0, o1);
+        for (int n = 0; n < blk.rows; ++n) ys[n] = t.y + plan.order[blk.first + n] * t.y_stride;
+        const float* hb = h + blk.first * rank;
+        const W* bs = b + blk.slot * rank * t.out;
+        expand_rows<W>(blk.rows, ys, 0, true, hb, rank, bs, t.out, 0, split, o0, o1);
+        if (split == rank) continue;
+        // The second half into a chunk-sized buffer (output o at o - o0), then onto y.
+        expand_rows<W>(blk.rows, seconds, o0, false, hb, rank, bs, t.out, split, rank, o0, o1);
+        for (int n = 0; n < blk.rows; ++n) add_row(ys[n] + o0, seconds[n], o1 - o0);
       }
     }
   });
 }
+
+}  // namespace
+
+RowPlan plan_rows(const at::Tensor& row_slots, int64_t slots) {
+  TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.dim() == 1, "lora: int32 row_slots [rows]");
+  const at::Tensor slots_c = row_slots.contiguous();
+  const int32_t* slot_of = slots_c.data_ptr<int32_t>();
+  RowPlan plan;
+  plan.rows = row_slots.size(0);
+  plan.slots = slots;
+  std::vector<int64_t> count(static_cast<size_t>(slots) + 1, 0);
+  for (int64_t t = 0; t < plan.rows; ++t) {
+    TORCH_CHECK(slot_of[t] >= -1 && slot_of[t] < slots, "lora: row ", t, " names slot ", slot_of[t], " of ", slots);
+    if (slot_of[t] >= 0) ++count[slot_of[t] + 1];
+  }
+  for (int64_t s = 0; s < slots; ++s) count[s + 1] += count[s];
+  plan.order.resize(static_cast<size_t>(count[slots]));
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t t = 0; t < plan.rows; ++t)
+    if (slot_of[t] >= 0) plan.order[next[slot_of[t]]++] = static_cast<int32_t>(t);
+  for (int64_t s = 0; s < slots; ++s)
+    for (int64_t p = count[s]; p < count[s + 1]; p += ROW_BLOCK)
+      plan.blocks.push_back({static_cast<int32_t>(s), static_cast<int32_t>(p),
+                             static_cast<int32_t>(std::min<int64_t>(ROW_BLOCK, count[s + 1] - p))});
+  return plan;
+}
+
+void add_targets(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
+                 const float* scaling) {
+  if (plan.order.empty() || count == 0) return;
+  if (static_cast<int64_t>(plan.order.size()) <= RANK_SPLIT_MAX_ROWS) {
+    add_rank_split(plan, targets, count, x, x_stride, scaling);
+    return;
+  }
+  for (int64_t k = 0; k < count; ++k)
+    with_slot_type(targets[k].dtype, [&](auto tag) {
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      add_blocks<W>(plan, targets[k], x, x_stride, scaling);
+    });
+}
+
+}  // namespace tokenloom_lora
+
+namespace {
 
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
               const at::Tensor& scaling, const at::Tensor& row_slots) {
@@ -192,43 +330,11 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
               "lora_add: lora_a [slots, rank, in], lora_b [slots, rank, out], scaling [slots] do not fit x and y");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "lora_add: y and x need unit column stride");
   if (rows == 0 || rank == 0 || out == 0) return;
-  auto a_c = lora_a.contiguous(), b_c = lora_b.contiguous(), s_c = scaling.contiguous(),
-       slots_c = row_slots.contiguous();
-  const int32_t* slot_of = slots_c.data_ptr<int32_t>();
-
-  // Rows grouped by slot (stable), base rows dropped; then blocks of up to ROW_BLOCK rows of one slot.
-  std::vector<int64_t> count(static_cast<size_t>(slots) + 1, 0);
-  for (int64_t t = 0; t < rows; ++t) {
-    TORCH_CHECK(slot_of[t] >= -1 && slot_of[t] < slots, "lora_add: row ", t, " names slot ", slot_of[t], " of ",
-                slots);
-    if (slot_of[t] >= 0) ++count[slot_of[t] + 1];
-  }
-  for (int64_t s = 0; s < slots; ++s) count[s + 1] += count[s];
-  if (count[slots] == 0) return;
-  std::vector<int32_t> order(static_cast<size_t>(count[slots]));
-  {
-    std::vector<int64_t> next(count.begin(), count.end() - 1);
-    for (int64_t t = 0; t < rows; ++t)
-      if (slot_of[t] >= 0) order[next[slot_of[t]]++] = static_cast<int32_t>(t);
-  }
-  std::vector<Block> blocks;
-  for (int64_t s = 0; s < slots; ++s)
-    for (int64_t p = count[s]; p < count[s + 1]; p += ROW_BLOCK)
-      blocks.push_back({static_cast<int32_t>(s), static_cast<int32_t>(p),
-                        static_cast<int32_t>(std::min<int64_t>(ROW_BLOCK, count[s + 1] - p))});
-
-  float* yp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* sp = s_c.data_ptr<float>();
-  if (w == at::kFloat)
-    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<float>(), b_c.data_ptr<float>(), sp, order, blocks, in,
-               out, rank);
-  else if (w == at::kBFloat16)
-    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<at::BFloat16>(), b_c.data_ptr<at::BFloat16>(), sp,
-               order, blocks, in, out, rank);
-  else
-    add_deltas(yp, y.stride(0), xp, x.stride(0), a_c.data_ptr<at::Half>(), b_c.data_ptr<at::Half>(), sp, order,
-               blocks, in, out, rank);
+  const at::Tensor a_c = lora_a.contiguous(), b_c = lora_b.contiguous(), s_c = scaling.contiguous();
+  tokenloom_lora::RowPlan plan = tokenloom_lora::plan_rows(row_slots, slots);
+  const tokenloom_lora::Target target{y.data_ptr<float>(), y.stride(0), a_c.data_ptr(), b_c.data_ptr(), w, in, out,
+                                      rank};
+  tokenloom_lora::add_targets(plan, &target, 1, x.data_ptr<float>(), x.stride(0), s_c.data_ptr<float>());
 }
 
 }  // namespace
