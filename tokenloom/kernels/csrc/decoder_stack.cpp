@@ -23,10 +23,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 #include "lora.h"
+#include "quant_gemm.h"
 
 namespace {
 
@@ -69,9 +71,12 @@ constexpr int64_t LORA_TARGETS_PER_LAYER = 7;  // q, k, v, o, gate, up, down
 // output starts in its (fused) linear's output; the per-slot scaling and the rows grouped by slot, once for
 // the step's 7 targets a layer. Inactive (no row_slots) when no row of the step uses an adapter.
 //
-// The targets are called as plain C++ (csrc/lora.h), not through the dispatcher: at batch 1 the 210 calls of
-// the embedded model's step cost ~2.4 us each in dispatch, checks and the per-call row grouping, 0.5 ms of a
-// 1.8 ms adapter overhead (rank-1 adapters against rank-16, 2026-12-03).
+// A layer's targets go in four passes (q, k and v; o; gate and up; down), called as plain C++ (csrc/lora.h),
+// not through the dispatcher. With few adapter rows a pass runs inside the parallel region of the base matmul
+// that reads the same input (csrc/side_work.h) and adds its sums to the output after it. On the embedded
+// model at batch 1 with a rank-16 bfloat16 adapter (scripts/bench_lora_step.py, 2026-12-03): 210 calls through
+// the dispatcher, each grouping the rows, added 1.2-1.8 ms to a ~5 ms step; 120 passes in regions of their own
+// 0.6-1.4 ms; riding the matmuls 0.35-0.75 ms.
 class StepLora {
  public:
   StepLora(const OptionalTensors& a, const OptionalTensors& b, c10::IntArrayRef columns,
@@ -106,26 +111,58 @@ class StepLora {
     active_ = true;
   }
 
-  // y += each row's adapter delta for targets [first, first + count) of layer l, as LoRALayer.add does after
-  // the linear (after its bias); all of them read x.
-  void add(at::Tensor& y, TensorCRef x, int64_t l, int64_t first, int64_t count) {
-    if (!active_) return;
-    TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && y.dim() == 2 && x.dim() == 2 &&
-                    y.stride(1) == 1 && x.stride(1) == 1,
-                "decoder_stack: LoRA needs float32 rows with unit column stride");
+  // A rank-split pass (few adapter rows) of targets [first, first + count) of layer l, to ride the base matmul
+  // that computes their outputs from x; null when the step's rows take the block schedule, or none is trained.
+  std::unique_ptr<tokenloom_lora::RankSplitPass> pass_for(TensorCRef x, int64_t l, int64_t first, int64_t count) {
+    if (!active_ || !tokenloom_lora::takes_rank_split(plan_)) return nullptr;
+    check_input(x);
     tokenloom_lora::Target targets[LORA_TARGETS_PER_LAYER];
+    const int64_t n = gather(targets, nullptr, x, l, first, count);
+    if (!n) return nullptr;
+    return std::make_unique<tokenloom_lora::RankSplitPass>(plan_, targets, n, x.data_ptr<float>(), x.stride(0),
+                                                           scaling_.data_ptr<float>());
+  }
+
+  // y += each row's adapter delta for targets [first, first + count) of layer l, as LoRALayer.add does after
+  // the linear (after its bias); all of them read x. `pass`: the one pass_for gave for them, or null.
+  void add(tokenloom_lora::RankSplitPass* pass, at::Tensor& y, TensorCRef x, int64_t l, int64_t first,
+           int64_t count) {
+    if (!active_) return;
+    check_input(x);
+    TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1,
+                "decoder_stack: LoRA needs float32 output rows with unit column stride");
+    tokenloom_lora::Target targets[LORA_TARGETS_PER_LAYER];
+    const int64_t n = gather(targets, &y, x, l, first, count);
+    if (!pass) return tokenloom_lora::add_targets(plan_, targets, n, x.data_ptr<float>(), x.stride(0),
+                                                  scaling_.data_ptr<float>());
+    float* ys[LORA_TARGETS_PER_LAYER];
+    int64_t strides[LORA_TARGETS_PER_LAYER];
+    for (int64_t k = 0; k < n; ++k) ys[k] = targets[k].y, strides[k] = targets[k].y_stride;
+    pass->finish(ys, strides);
+  }
+
+ private:
+  static void check_input(TensorCRef x) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                "decoder_stack: LoRA needs float32 input rows with unit column stride");
+  }
+
+  // The trained targets among [first, first + count) of layer l, writing into y's columns (y null: not known
+  // yet); how many.
+  int64_t gather(tokenloom_lora::Target* targets, at::Tensor* y, TensorCRef x, int64_t l, int64_t first,
+                 int64_t count) const {
     int64_t n = 0;
     for (int64_t t = first; t < first + count; ++t) {
       const Slots& s = targets_[l * LORA_TARGETS_PER_LAYER + t];
       if (!s.a) continue;
-      TORCH_CHECK(s.in == x.size(1) && s.column + s.out <= y.size(1), "decoder_stack: LoRA target of layer ", l,
-                  " does not fit its linear");
-      targets[n++] = {y.data_ptr<float>() + s.column, y.stride(0), s.a, s.b, s.dtype, s.in, s.out, s.rank};
+      TORCH_CHECK(s.in == x.size(1) && (!y || s.column + s.out <= y->size(1)), "decoder_stack: LoRA target of layer ",
+                  l, " does not fit its linear");
+      targets[n++] = {y ? y->data_ptr<float>() + s.column : nullptr, y ? y->stride(0) : 0, s.a, s.b, s.dtype,
+                      s.in, s.out, s.rank};
     }
-    tokenloom_lora::add_targets(plan_, targets, n, x.data_ptr<float>(), x.stride(0), scaling_.data_ptr<float>());
+    return n;
   }
 
- private:
   struct Slots {
     const void* a = nullptr;
     const void* b = nullptr;
@@ -143,8 +180,13 @@ const Ops& ops() {
   return instance;
 }
 
-// One quantized linear of a layer: its panels in `weights` from `w`, its ints in `ints` from `i`.
-at::Tensor linear(const Ops& o, TensorCRef x, at::TensorList weights, int64_t w, c10::IntArrayRef ints, int64_t i) {
+// One quantized linear of a layer: its panels in `weights` from `w`, its ints in `ints` from `i`; `side`: work
+// to run inside the matmul's parallel region (a LoRA pass of its targets), or null.
+at::Tensor linear(const Ops& o, TensorCRef x, at::TensorList weights, int64_t w, c10::IntArrayRef ints, int64_t i,
+                  tokenloom_side::SideWork* side = nullptr) {
+  if (side)
+    return tokenloom_gemm::quant_gemm_with(x, weights[w], weights[w + 1], weights[w + 2], ints[i], ints[i + 1],
+                                           ints[i + 2], ints[i + 3] != 0, side);
   const auto& gemm = ints[i + 3] ? o.gemm_a8 : o.gemm;
   return gemm.call(x, weights[w], weights[w + 1], weights[w + 2], ints[i], ints[i + 1], ints[i + 2]);
 }
@@ -219,10 +261,11 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     } else {
       std::tie(h, residual) = o.add_rms_norm.call(x, residual, w[0], eps);
     }
-    at::Tensor qkv = linear(o, h, w, 2, ints, 1);
+    auto qkv_pass = lora.pass_for(h, l, 0, 3);
+    at::Tensor qkv = linear(o, h, w, 2, ints, 1, qkv_pass.get());
     const c10::optional<at::Tensor> qkv_bias = qkv_biases.get(l);
     if (qkv_bias) qkv.add_(*qkv_bias);
-    lora.add(qkv, h, l, 0, 3);
+    lora.add(qkv_pass.get(), qkv, h, l, 0, 3);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -238,14 +281,17 @@ at::Tensor decoder_stack(TensorCRef embeddings, TensorCRef positions, at::Tensor
     at::Tensor cache = kv_caches[l];
     o.write_kv.call(k_rot, v, cache, slot_mapping);
     const at::Tensor attended = attend(o, q_rot, cache, step, scale, ints[0]);
-    at::Tensor attn_out = linear(o, attended, w, 5, ints, 5);
-    lora.add(attn_out, attended, l, 3, 1);
+    auto o_pass = lora.pass_for(attended, l, 3, 1);
+    at::Tensor attn_out = linear(o, attended, w, 5, ints, 5, o_pass.get());
+    lora.add(o_pass.get(), attn_out, attended, l, 3, 1);
     std::tie(h, residual) = o.add_rms_norm.call(attn_out, residual, w[1], eps);
-    at::Tensor gate_up = linear(o, h, w, 8, ints, 9);
-    lora.add(gate_up, h, l, 4, 2);
+    auto gate_up_pass = lora.pass_for(h, l, 4, 2);
+    at::Tensor gate_up = linear(o, h, w, 8, ints, 9, gate_up_pass.get());
+    lora.add(gate_up_pass.get(), gate_up, h, l, 4, 2);
     const at::Tensor activated = o.silu_and_mul.call(gate_up);
-    x = linear(o, activated, w, 11, ints, 13);
-    lora.add(x, activated, l, 6, 1);
+    auto down_pass = lora.pass_for(activated, l, 6, 1);
+    x = linear(o, activated, w, 11, ints, 13, down_pass.get());
+    lora.add(down_pass.get(), x, activated, l, 6, 1);
   }
   if (layers == 0) return o.rms_norm.call(x, final_norm, eps);
   return std::get<0>(o.add_rms_norm.call(x, residual, final_norm, eps));

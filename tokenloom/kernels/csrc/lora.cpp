@@ -8,14 +8,15 @@
 // load of A or B serves a whole block:
 // - shrink: h[t, r] = scaling[s] * x[t] . lora_a[s, r], a tile of ROW_BLOCK rows x SHRINK_RANKS ranks at a time
 //   (each A vector loaded once for the block's rows, each x vector once for the tile's ranks);
-// - expand: y[t, o] += sum_r h[t, r] * lora_b[s, r, o], two vectors of outputs for a block's rows at a time
-//   (each B vector loaded once for the block).
-// The expand sums its ranks in two halves (rank >= SPLIT_MIN_RANK): y + (first half), then + (second half,
-// summed from zero). That fixed order lets two schedules give every row the same bits:
-// - few rows (a decode step at low concurrency, <= RANK_SPLIT_MAX_ROWS): one parallel pass over (target,
-//   half) items, each thread reading half of every target's A and B; a layer's q, k and v (or gate and up)
-//   go in one pass. At batch 1 the pass is bound by fetching A and B from memory (the base weights stream
-//   through the caches between two layers' adapters), which one thread does at half the rate two do.
+// - expand: sum_r h[t, r] * lora_b[s, r, o], two vectors of outputs for a block's rows at a time (each B vector
+//   loaded once for the block).
+// The expand sums a rank's two halves apart, each from zero (one half below SPLIT_MIN_RANK), and the row
+// becomes (y + first half) + second half. That fixed order lets two schedules give every row the same bits:
+// - few rows (a decode step at low concurrency, <= RANK_SPLIT_MAX_ROWS): RankSplitPass, items of (target,
+//   half) any thread may claim, writing their sums aside; a layer's q, k and v (or gate and up) go in one
+//   pass, and the decoder stack runs the items inside the layer's base matmul (csrc/side_work.h). At batch 1
+//   a pass is bound by fetching A and B from memory (the base weights stream through the caches between two
+//   layers' adapters), which one thread does at half the rate two do.
 // - more rows: per target, the shrink parallel over blocks, the expand over chunks of OUT_CHUNK outputs,
 //   B's panel of a chunk ([rank, OUT_CHUNK] floats) staying in L1 across the blocks of its adapter; a pass
 //   smaller than PARALLEL_MIN_MACS runs on the calling thread.
@@ -173,57 +174,25 @@ void with_slot_type(at::ScalarType dtype, F f) {
     f(static_cast<const at::Half*>(nullptr));
 }
 
-// Rank-split schedule, one item: ranks [r0, r1) of target t for every planned row. The first half (r0 == 0)
-// accumulates onto y; the second writes its sum from zero into `partial` [used, out], added to y after the pass.
+// Rank-split schedule, one item: ranks [r0, r1) of target t for every planned row, summed from zero into
+// `sums` [used, out] (row p of the slot-sorted order at p * out).
 template <typename W>
 void split_item(const RowPlan& plan, const Target& t, const float* x, int64_t x_stride, const float* scaling,
-                int64_t r0, int64_t r1, float* h, float* partial) {
+                int64_t r0, int64_t r1, float* h, float* sums) {
   const W* a = static_cast<const W*>(t.a);
   const W* b = static_cast<const W*>(t.b);
   for (const Block& blk : plan.blocks) {
     const float* xs[ROW_BLOCK];
     float* dst[ROW_BLOCK];
     for (int n = 0; n < blk.rows; ++n) {
-      const int32_t row = plan.order[blk.first + n];
-      xs[n] = x + row * x_stride;
-      dst[n] = partial ? partial + (blk.first + n) * t.out : t.y + row * t.y_stride;
+      xs[n] = x + plan.order[blk.first + n] * x_stride;
+      dst[n] = sums + (blk.first + n) * t.out;
     }
     float* hb = h + blk.first * t.rank;
     shrink_rows<W>(blk.rows, xs, a + blk.slot * t.rank * t.in, t.in, scaling[blk.slot], hb, t.rank, r0, r1);
     const W* bs = b + blk.slot * t.rank * t.out;
     for (int64_t o0 = 0; o0 < t.out; o0 += OUT_CHUNK)
-      expand_rows<W>(blk.rows, dst, 0, !partial, hb, t.rank, bs, t.out, r0, r1, o0, std::min(t.out, o0 + OUT_CHUNK));
-  }
-}
-
-void add_rank_split(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
-                    const float* scaling) {
-  const int64_t used = static_cast<int64_t>(plan.order.size());
-  // Per target: h [used, rank], then partial [used, out].
-  std::vector<int64_t> offset(static_cast<size_t>(count) + 1, 0);
-  for (int64_t k = 0; k < count; ++k) offset[k + 1] = offset[k] + used * (targets[k].rank + targets[k].out);
-  plan.scratch.resize(static_cast<size_t>(offset[count]));
-  float* scratch = plan.scratch.data();
-  // Item i: target i % count, half i / count: with two threads, one takes every first half, the other every
-  // second half.
-  at::parallel_for(0, 2 * count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Target& t = targets[i % count];
-      const int64_t split = split_of(t.rank), second = i / count;
-      if (second && split == t.rank) continue;
-      float* h = scratch + offset[i % count];
-      with_slot_type(t.dtype, [&](auto tag) {
-        using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        split_item<W>(plan, t, x, x_stride, scaling, second ? split : 0, second ? t.rank : split, h,
-                      second ? h + used * t.rank : nullptr);
-      });
-    }
-  });
-  for (int64_t k = 0; k < count; ++k) {
-    const Target& t = targets[k];
-    if (split_of(t.rank) == t.rank) continue;
-    const float* partial = scratch + offset[k] + used * t.rank;
-    for (int64_t p = 0; p < used; ++p) add_row(t.y + plan.order[p] * t.y_stride, partial + p * t.out, t.out);
+      expand_rows<W>(blk.rows, dst, 0, false, hb, t.rank, bs, t.out, r0, r1, o0, std::min(t.out, o0 + OUT_CHUNK));
   }
 }
 
@@ -249,20 +218,22 @@ void add_blocks(RowPlan& plan, const Target& t, const float* x, int64_t x_stride
   });
   const int64_t chunks = (t.out + OUT_CHUNK - 1) / OUT_CHUNK;
   at::parallel_for(0, chunks, grain_for(chunks, used * rank * t.out), [&](int64_t begin, int64_t end) {
-    float second[ROW_BLOCK][OUT_CHUNK];
+    // Each half's sums for a block's rows over one chunk (output o at o - o0), then (y + first) + second.
+    float first[ROW_BLOCK][OUT_CHUNK], second[ROW_BLOCK][OUT_CHUNK];
+    float* firsts[ROW_BLOCK] = {first[0], first[1], first[2], first[3]};
     float* seconds[ROW_BLOCK] = {second[0], second[1], second[2], second[3]};
     for (int64_t c = begin; c < end; ++c) {
       const int64_t o0 = c * OUT_CHUNK, o1 = std::min(t.out, o0 + OUT_CHUNK);
       for (const Block& blk : plan.blocks) {
-        float* ys[ROW_BLOCK];
-        for (int n = 0; n < blk.rows; ++n) ys[n] = t.y + plan.order[blk.first + n] * t.y_stride;
         const float* hb = h + blk.first * rank;
         const W* bs = b + blk.slot * rank * t.out;
-        expand_rows<W>(blk.rows, ys, 0, true, hb, rank, bs, t.out, 0, split, o0, o1);
-        if (split == rank) continue;
-        // The second half into a chunk-sized buffer (output o at o - o0), then onto y.
-        expand_rows<W>(blk.rows, seconds, o0, false, hb, rank, bs, t.out, split, rank, o0, o1);
-        for (int n = 0; n < blk.rows; ++n) add_row(ys[n] + o0, seconds[n], o1 - o0);
+        expand_rows<W>(blk.rows, firsts, o0, false, hb, rank, bs, t.out, 0, split, o0, o1);
+        if (split < rank) expand_rows<W>(blk.rows, seconds, o0, false, hb, rank, bs, t.out, split, rank, o0, o1);
+        for (int n = 0; n < blk.rows; ++n) {
+          float* y = t.y + plan.order[blk.first + n] * t.y_stride + o0;
+          add_row(y, firsts[n], o1 - o0);
+          if (split < rank) add_row(y, seconds[n], o1 - o0);
+        }
       }
     }
   });
@@ -294,11 +265,60 @@ RowPlan plan_rows(const at::Tensor& row_slots, int64_t slots) {
   return plan;
 }
 
+bool takes_rank_split(const RowPlan& plan) {
+  return !plan.order.empty() && static_cast<int64_t>(plan.order.size()) <= RANK_SPLIT_MAX_ROWS;
+}
+
+RankSplitPass::RankSplitPass(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
+                             const float* scaling)
+    : tokenloom_side::SideWork(2 * count), plan_(plan), targets_(targets, targets + count), x_(x),
+      x_stride_(x_stride), scaling_(scaling) {
+  // Per target: h [used, rank], then the two halves' sums, each [used, out].
+  const int64_t used = static_cast<int64_t>(plan.order.size());
+  offsets_.assign(static_cast<size_t>(count) + 1, 0);
+  for (int64_t k = 0; k < count; ++k) offsets_[k + 1] = offsets_[k] + used * (targets[k].rank + 2 * targets[k].out);
+  plan.scratch.resize(static_cast<size_t>(offsets_[count]));
+}
+
+// Item i: target i % count, half i / count: the first halves are claimed first, the second halves after.
+void RankSplitPass::run_item(int64_t i) {
+  const int64_t count = static_cast<int64_t>(targets_.size()), used = static_cast<int64_t>(plan_.order.size());
+  const Target& t = targets_[i % count];
+  const int64_t split = split_of(t.rank), second = i / count;
+  if (second && split == t.rank) return;
+  float* h = plan_.scratch.data() + offsets_[i % count];
+  float* sums = h + used * t.rank + second * used * t.out;
+  with_slot_type(t.dtype, [&](auto tag) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    split_item<W>(plan_, t, x_, x_stride_, scaling_, second ? split : 0, second ? t.rank : split, h, sums);
+  });
+}
+
+void RankSplitPass::finish(float* const* ys, const int64_t* y_strides) {
+  run();
+  const int64_t used = static_cast<int64_t>(plan_.order.size());
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const Target& t = targets_[k];
+    const float* first = plan_.scratch.data() + offsets_[k] + used * t.rank;
+    const bool has_second = split_of(t.rank) < t.rank;
+    for (int64_t p = 0; p < used; ++p) {
+      float* y = ys[k] + plan_.order[p] * y_strides[k];
+      add_row(y, first + p * t.out, t.out);
+      if (has_second) add_row(y, first + (used + p) * t.out, t.out);
+    }
+  }
+}
+
 void add_targets(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
                  const float* scaling) {
   if (plan.order.empty() || count == 0) return;
-  if (static_cast<int64_t>(plan.order.size()) <= RANK_SPLIT_MAX_ROWS) {
-    add_rank_split(plan, targets, count, x, x_stride, scaling);
+  if (takes_rank_split(plan)) {
+    RankSplitPass pass(plan, targets, count, x, x_stride, scaling);
+    at::parallel_for(0, 2 * count, 1, [&](int64_t, int64_t) { pass.run(); });
+    float* ys[MAX_PASS_TARGETS];
+    int64_t strides[MAX_PASS_TARGETS];
+    for (int64_t k = 0; k < count; ++k) ys[k] = targets[k].y, strides[k] = targets[k].y_stride;
+    pass.finish(ys, strides);
     return;
   }
   for (int64_t k = 0; k < count; ++k)

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "side_work.h"
+
 namespace tokenloom_lora {
 
 // Up to ROW_BLOCK rows of one slot, `first` indexing the slot-sorted row order.
@@ -43,9 +45,37 @@ struct Target {
   int64_t rank;
 };
 
-// y[t] += scaling[s] * (x[t] @ a[s].T) @ b[s] for every planned row t (slot s) and each of `count` targets
-// reading the same x (float32 [rows, in], row stride x_stride).
+// The most targets one pass takes (a layer's q, k and v).
+constexpr int64_t MAX_PASS_TARGETS = 3;
+
+// y[t] += scaling[s] * (x[t] @ a[s].T) @ b[s] for every planned row t (slot s) and each of `count` (at most
+// MAX_PASS_TARGETS) targets reading the same x (float32 [rows, in], row stride x_stride).
 void add_targets(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
                  const float* scaling);
+
+// Whether a pass over these rows takes the rank-split schedule (few rows): then a RankSplitPass can ride the
+// base matmul's parallel region.
+bool takes_rank_split(const RowPlan& plan);
+
+// A rank-split pass of `count` targets reading x: its items (each target's two rank halves) write their sums
+// aside, so they may run while the targets' outputs are being computed; `finish` runs what no thread claimed,
+// then adds the sums to the outputs (ys[k], row stride y_strides[k]; the targets' own y are not read).
+class RankSplitPass : public tokenloom_side::SideWork {
+ public:
+  RankSplitPass(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
+                const float* scaling);
+  void finish(float* const* ys, const int64_t* y_strides);
+
+ protected:
+  void run_item(int64_t item) override;
+
+ private:
+  RowPlan& plan_;
+  std::vector<Target> targets_;
+  std::vector<int64_t> offsets_;
+  const float* x_;
+  int64_t x_stride_;
+  const float* scaling_;
+};
 
 }  // namespace tokenloom_lora

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "quant_activations.h"
+#include "quant_gemm.h"
 
 namespace {
 
@@ -424,12 +425,27 @@ inline void with_rows(int rows, F&& f) {
   }
 }
 
+// The side work handed to the matmul running on this thread (quant_gemm_with), taken by its first region.
+thread_local tokenloom_side::SideWork* pending_side = nullptr;
+
+// at::parallel_for, with the pending side work claimed by each of the region's threads before its range.
+template <typename F>
+void parallel_tiles(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  tokenloom_side::SideWork* side = pending_side;
+  pending_side = nullptr;
+  if (!side) return at::parallel_for(begin, end, grain, f);
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    side->run();
+    f(b, e);
+  });
+}
+
 // Work units: (column tile, chunk of MC rows), tile-major so a thread prepares each of its tiles once
 // (`prepare(t, state)`, on a per-thread `state` from `make_state()`).
 template <int MR, typename MakeState, typename Prepare, typename Tile>
 void run_units(int64_t M, int64_t tiles, MakeState make_state, Prepare prepare, Tile tile) {
   const int64_t chunks = (M + MC - 1) / MC;
-  at::parallel_for(0, tiles * chunks, 1, [&](int64_t u0, int64_t u1) {
+  parallel_tiles(0, tiles * chunks, 1, [&](int64_t u0, int64_t u1) {
     auto state = make_state();
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t = u / chunks, m_end = std::min(M, (u % chunks + 1) * MC);
@@ -510,7 +526,7 @@ struct DecodedTile {
 template <int BITS, int BS, typename W>
 void exact_impl(const float* x, int64_t M, int64_t K, const W& w, int64_t tiles, float* out, int64_t n) {
   if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    parallel_tiles(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
         with_rows<2>(static_cast<int>(M), [&](auto rows) {
           if (t + 1 < tiles) exact_tile_direct<BITS, BS, decltype(rows)::value, 2 * NCV>(x, K, w, t, out, n, n);
@@ -520,7 +536,7 @@ void exact_impl(const float* x, int64_t M, int64_t K, const W& w, int64_t tiles,
     return;
   }
   if (M <= MR_EXACT) {  // one row tile: decoding into registers beats a buffer written and read back once
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    parallel_tiles(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         with_rows<MR_EXACT>(static_cast<int>(M), [&](auto rows) {
           exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
@@ -636,6 +652,25 @@ at::Tensor quant_gemm_a8(const at::Tensor& x, const at::Tensor& qpacked, const a
 }
 
 }  // namespace
+
+namespace tokenloom_gemm {
+
+at::Tensor quant_gemm_with(const at::Tensor& x, const at::Tensor& qpacked, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t n, int64_t bits, int64_t block, bool int8_activations,
+                           tokenloom_side::SideWork* side) {
+  pending_side = side;
+  try {
+    at::Tensor out = int8_activations ? quant_gemm_a8(x, qpacked, scales, mins, n, bits, block)
+                                      : quant_gemm(x, qpacked, scales, mins, n, bits, block);
+    pending_side = nullptr;
+    return out;
+  } catch (...) {
+    pending_side = nullptr;
+    throw;
+  }
+}
+
+}  // namespace tokenloom_gemm
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("quant_gemm(Tensor x, Tensor qpacked, Tensor scales, Tensor mins, int n, int bits, int block_size) -> Tensor");
