@@ -312,6 +312,7 @@ void RankSplitPass::finish(float* const* ys, const int64_t* y_strides) {
 void add_targets(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
                  const float* scaling) {
   if (plan.order.empty() || count == 0) return;
+  TORCH_CHECK(count <= MAX_PASS_TARGETS, "lora: a pass takes at most ", MAX_PASS_TARGETS, " targets");
   if (takes_rank_split(plan)) {
     RankSplitPass pass(plan, targets, count, x, x_stride, scaling);
     at::parallel_for(0, 2 * count, 1, [&](int64_t, int64_t) { pass.run(); });
