@@ -75,8 +75,8 @@ constexpr int64_t LORA_TARGETS_PER_LAYER = 7;  // q, k, v, o, gate, up, down
 // not through the dispatcher. With few adapter rows a pass runs inside the parallel region of the base matmul
 // that reads the same input (csrc/side_work.h) and adds its sums to the output after it. On the embedded
 // model at batch 1 with a rank-16 bfloat16 adapter (scripts/bench_lora_step.py, 2026-12-03): 210 calls through
-// the dispatcher, each grouping the rows, added 1.2-1.8 ms to a ~5 ms step; 120 passes in regions of their own
-// 0.6-1.4 ms; riding the matmuls 0.35-0.75 ms.
+// the dispatcher, each grouping the rows, added 1.3-1.7 ms to a ~5 ms step; 120 passes in regions of their own
+// 0.6-1.4 ms; riding the matmuls 0.8-1.1 ms (before and after alternating).
 class StepLora {
  public:
   StepLora(const OptionalTensors& a, const OptionalTensors& b, c10::IntArrayRef columns,
@@ -135,10 +135,7 @@ class StepLora {
     const int64_t n = gather(targets, &y, x, l, first, count);
     if (!pass) return tokenloom_lora::add_targets(plan_, targets, n, x.data_ptr<float>(), x.stride(0),
                                                   scaling_.data_ptr<float>());
-    float* ys[LORA_TARGETS_PER_LAYER];
-    int64_t strides[LORA_TARGETS_PER_LAYER];
-    for (int64_t k = 0; k < n; ++k) ys[k] = targets[k].y, strides[k] = targets[k].y_stride;
-    pass->finish(ys, strides);
+    pass->finish(targets);
   }
 
  private:

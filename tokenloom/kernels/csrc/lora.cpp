@@ -294,7 +294,7 @@ void RankSplitPass::run_item(int64_t i) {
   });
 }
 
-void RankSplitPass::finish(float* const* ys, const int64_t* y_strides) {
+void RankSplitPass::finish(const Target* outputs) {
   run();
   const int64_t used = static_cast<int64_t>(plan_.order.size());
   for (size_t k = 0; k < targets_.size(); ++k) {
@@ -302,7 +302,7 @@ void RankSplitPass::finish(float* const* ys, const int64_t* y_strides) {
     const float* first = plan_.scratch.data() + offsets_[k] + used * t.rank;
     const bool has_second = split_of(t.rank) < t.rank;
     for (int64_t p = 0; p < used; ++p) {
-      float* y = ys[k] + plan_.order[p] * y_strides[k];
+      float* y = outputs[k].y + plan_.order[p] * outputs[k].y_stride;
       add_row(y, first + p * t.out, t.out);
       if (has_second) add_row(y, first + (used + p) * t.out, t.out);
     }
@@ -316,10 +316,7 @@ void add_targets(RowPlan& plan, const Target* targets, int64_t count, const floa
   if (takes_rank_split(plan)) {
     RankSplitPass pass(plan, targets, count, x, x_stride, scaling);
     at::parallel_for(0, 2 * count, 1, [&](int64_t, int64_t) { pass.run(); });
-    float* ys[MAX_PASS_TARGETS];
-    int64_t strides[MAX_PASS_TARGETS];
-    for (int64_t k = 0; k < count; ++k) ys[k] = targets[k].y, strides[k] = targets[k].y_stride;
-    pass.finish(ys, strides);
+    pass.finish(targets);
     return;
   }
   for (int64_t k = 0; k < count; ++k)

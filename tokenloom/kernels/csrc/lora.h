@@ -58,13 +58,13 @@ void add_targets(RowPlan& plan, const Target* targets, int64_t count, const floa
 bool takes_rank_split(const RowPlan& plan);
 
 // A rank-split pass of `count` targets reading x: its items (each target's two rank halves) write their sums
-// aside, so they may run while the targets' outputs are being computed; `finish` runs what no thread claimed,
-// then adds the sums to the outputs (ys[k], row stride y_strides[k]; the targets' own y are not read).
+// aside, so they may run while the targets' outputs are being computed (their y may be null then); `finish`
+// runs what no thread claimed, then adds the sums to the outputs: the same targets, their y now set.
 class RankSplitPass : public tokenloom_side::SideWork {
  public:
   RankSplitPass(RowPlan& plan, const Target* targets, int64_t count, const float* x, int64_t x_stride,
                 const float* scaling);
-  void finish(float* const* ys, const int64_t* y_strides);
+  void finish(const Target* outputs);
 
  protected:
   void run_item(int64_t item) override;
