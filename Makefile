@@ -52,7 +52,9 @@ SOAK_CI ?= tests/unit/test_gemma3.py::test_gemma3_270m_greedy_is_token_identical
 	tests/e2e/test_spec_decode_embedded.py::test_unseeded_sampling_has_the_same_distribution \
 	tests/e2e/test_admission.py::test_full_flood_default_flags \
 	tests/e2e/test_admission.py::test_clients_that_never_read_do_not_hold_admission \
-	tests/unit/test_weight_updates.py::test_three_ranks_take_updates_from_disk_and_from_a_trainer
+	tests/unit/test_weight_updates.py::test_three_ranks_take_updates_from_disk_and_from_a_trainer \
+	tests/e2e/test_fuzz_soak.py::test_soak_short \
+	tests/e2e/test_lora_serving.py::test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft
 soak-ci: setup-test
 	.venv/bin/python -m pytest -q --run-slow $(SOAK_CI) $(ARGS)
 

@@ -11,9 +11,13 @@ import re
 import time
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from tokenloom.model.layers.attention import AttentionMetadata, PrefillChunk
+
+# Where conftest leaves the number of tests a session collected when it collected the whole suite.
+WHOLE_SUITE_COUNT = pytest.StashKey[int]()
 
 
 # ---------------------------------------------------------------------------------------------

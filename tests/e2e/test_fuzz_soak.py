@@ -316,6 +316,7 @@ def run_soak(srv, seconds: float, concurrency: int = 6) -> None:
     print(f"soak {seconds:.0f} s: sent {dict(sent)}, ended {dict(ended)}, RSS {rss0} -> {rss1} KiB")
 
 
+@pytest.mark.slow  # 30 s of load (make soak-ci)
 def test_soak_short(server):
     run_soak(server, seconds=30)
 

@@ -77,6 +77,7 @@ def test_base_requests_beside_adapter_requests_match_the_base_model_alone(llm, p
 
 
 @pytest.mark.tp
+@pytest.mark.slow  # three worker processes loading the model and the adapter, ~18 s (make soak-ci)
 def test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft(adapter, prompts, mixed, peft_greedy):
     """Three ranks: q, k, v, gate and up hold their rows of B, o and down their columns of A, the deltas summed
     by the all-reduce with the partial sums; the base rows beside them keep the base model's output."""
