@@ -49,7 +49,10 @@ class WorkerSetup:
         if getattr(self.loaded.model, "is_encoder", False):  # its KV cache is a placeholder, never written
             return f"encoder: no KV cache; inputs of up to {self.max_model_len} tokens, each embedded in one pass"
         kv_dtype = str(self.runner.kv_caches[0].dtype).removeprefix("torch.")
-        return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens; "
+        total = sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches)
+        per_token = total / (self.num_blocks * self.block_size)
+        return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens, "
+                f"{total / 2**20:,.0f} MiB ({per_token / 2**10:.1f} KiB a token); "
                 f"{self.full_length_requests} requests of {self.max_model_len} tokens fit")
 
     def log(self) -> None:
