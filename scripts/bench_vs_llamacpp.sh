@@ -16,7 +16,9 @@
 # (OUT=folder to change). llama.cpp is not a dependency of tokenloom: build it yourself (its README).
 #
 # MODELS="a.gguf b.gguf ..." runs the whole comparison once per model (MODEL then left out), each into
-# OUT/<model name>: e.g. the real-size files of scripts/shaped_gguf.py.
+# OUT/<model name>: e.g. the real-size files of scripts/shaped_gguf.py. Each summary.txt ends with the
+# figures as a markdown table, with the bandwidth a token alone reaches on each side (`tokenloom bench
+# roofline`: the triad on the same 2 threads, the bytes a step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${MODELS:-}" ]; then
@@ -44,6 +46,9 @@ trap cleanup EXIT
 
 echo "== llama-bench pp512 / tg128 (2 threads)"
 "$LLAMA_BIN/llama-bench" -m "$MODEL" -t 2 -p 512 -n 128 -o json > "$OUT/llama_bench.json"
+echo "== tokenloom bench roofline (2 threads): the triad, the bytes a step, tokenloom's batch-1 step"
+$TL bench roofline -m "$MODEL" --threads 2 --context 256 --json "$OUT/tokenloom_roofline.json" "${TL_ARGS[@]}" \
+  > "$OUT/tokenloom_roofline.log" 2>&1 || echo "(roofline failed: see its log)"
 echo "== tokenloom offline prefill, 16 x 512 tokens"
 $TL bench throughput -m "$MODEL" --num-prompts 16 --input-len 512 --output-len 1 --decode-profile 0 \
   --json "$OUT/tokenloom_prefill.json" "${TL_ARGS[@]}" > "$OUT/tokenloom_prefill.log" 2>&1
@@ -104,5 +109,35 @@ for c in (1, high):
             continue
         print(f"{name:18s} output tok/s {r['output_throughput']:8.1f}  TTFT p50 {r['ttft_ms']['p50']:9.1f} ms"
               f"  TPOT p50 {r['tpot_ms']['p50']:7.1f} ms  failed {r['failed']}")
+
+# The same as one markdown table (docs/performance.md keeps one a model): every round's figure, llama.cpp's
+# first; the bandwidth fraction is bytes a token (the GGUF's for llama.cpp, the loaded form's for tokenloom,
+# KV at 256 tokens) over the time a token, against the triad on the same 2 threads.
+def rounds(name, c, key):
+    runs = [json.load(open(p))["runs"][0] for p in sorted(glob.glob(f"{out}/{name}_c{c}_r*.json"))]
+    values = [r[key] if key == "output_throughput" else r[key]["p50"] for r in runs if r.get("completed")]
+    scale = 1 if key == "output_throughput" else 1e-3 if key == "ttft_ms" else 1
+    return ", ".join(f"{v * scale:.1f}" for v in values) or "-"
+names = ["llama"] + [n for n in ("tokenloom", "tokenloom_b") if glob.glob(f"{out}/{n}_c1_r*.json")]
+print()
+print("| | " + " | ".join("llama.cpp" if n == "llama" else n for n in names) + " |")
+print("| --- |" + " --- |" * len(names))
+print(f"| concurrency {high}, output tokens/s | " + " | ".join(rounds(n, high, "output_throughput") for n in names) + " |")
+print(f"| concurrency {high}, TTFT p50 (s) | " + " | ".join(rounds(n, high, "ttft_ms") for n in names) + " |")
+print("| concurrency 1, TPOT p50 (ms) | " + " | ".join(rounds(n, 1, "tpot_ms") for n in names) + " |")
+print("| concurrency 1, TTFT p50 (s) | " + " | ".join(rounds(n, 1, "ttft_ms") for n in names) + " |")
+prefill = [f"{pp:.1f} (pp512)"] + [
+    f"{json.load(open(f'{out}/{n}_prefill.json'))['total_tokens_per_s']:.1f} (16 x 512)"
+    if os.path.exists(f"{out}/{n}_prefill.json") else "-" for n in names[1:]]
+print("| prefill tokens/s | " + " | ".join(prefill) + " |")
+if os.path.exists(f"{out}/tokenloom_roofline.json"):
+    roof = json.load(open(f"{out}/tokenloom_roofline.json"))
+    value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(roof["kv_dtype"], 1)
+    llama_kv = roof["kv_bytes"] * 2 / value_bytes  # llama.cpp's KV cache is float16 (int8: about twice its bytes)
+    llama_gbps = (roof["gguf_weight_bytes"] + llama_kv) * tg / 1e9
+    cells = [f"{1e3 / tg:.1f} ms, {llama_gbps:.1f} GB/s ({100 * llama_gbps / roof['triad_gbps']:.0f}%)",
+             f"{roof['step_ms']:.1f} ms, {roof['step_gbps']:.1f} GB/s ({100 * roof['fraction']:.0f}%)"]
+    cells += ["-"] * (len(names) - len(cells))
+    print(f"| a token alone (tg128 / batch-1 step), of the {roof['triad_gbps']:.1f} GB/s triad | " + " | ".join(cells) + " |")
 PY
 } | tee "$OUT/summary.txt"

@@ -46,7 +46,7 @@ def test_the_kv_cache_bytes_are_keys_and_values_of_every_layer_at_the_context(tm
 
 def test_the_report_states_the_fraction_of_the_triad_bandwidth():
     r = roofline.Roofline(threads=2, triad_gbps=20.0, read_gbps=25.0, weight_bytes=10**9, gguf_weight_bytes=5 * 10**8,
-                          kv_bytes=0, context=256, step_ms=100.0)
+                          kv_bytes=0, context=256, step_ms=100.0, kv_dtype="float32")
     assert r.step_gbps == pytest.approx(10.0) and r.fraction == pytest.approx(0.5)
     assert "10.0 GB/s, 50% of the triad" in roofline.report(r)
     assert "2.00x" in roofline.report(r)

@@ -45,6 +45,7 @@ class Roofline:
     kv_bytes: int           # the KV cache at the context, all layers
     context: int
     step_ms: float
+    kv_dtype: str
 
     @property
     def step_gbps(self) -> float:
@@ -146,7 +147,7 @@ def run_roofline(ns) -> int:
         raise SystemExit("tokenloom bench roofline: no loaded form of the model in the panel cache (a GGUF on the "
                          "native kernels, tensor-parallel size 1, TOKENLOOM_WEIGHT_CACHE not 0)")
     result = Roofline(torch.get_num_threads(), triad, read, weight_bytes(mapped), gguf_weight_bytes(path),
-                      kv_bytes(mapped, ns.context, kv_dtype), ns.context, step)
+                      kv_bytes(mapped, ns.context, kv_dtype), ns.context, step, kv_dtype)
     print(report(result))
     if ns.json_path:
         with open(ns.json_path, "w") as f:
