@@ -43,3 +43,14 @@ def test_native_attention_with_bfloat16_activations_is_a_config_error():
         choose_attention_backend("native", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match="unknown attention backend"):
         choose_attention_backend("flash")
+
+
+def test_the_start_up_line_states_the_cache_in_mib_and_per_token(make_core):
+    core = make_core(num_blocks=2048, kv_cache_dtype="float32")
+    try:
+        summary = core.info.summary
+    finally:
+        core.shutdown()
+    per_token = 2 * 2 * 4 * (64 // 4) * 4  # layers x (K, V) x KV heads x head_dim x bytes: 1 KiB
+    assert per_token == 2**10 and 2048 * 16 * per_token == 32 * 2**20
+    assert "2048 blocks of 16 tokens, 32 MiB (1.0 KiB a token)" in summary
