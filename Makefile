@@ -54,7 +54,9 @@ SOAK_CI ?= tests/unit/test_gemma3.py::test_gemma3_270m_greedy_is_token_identical
 	tests/e2e/test_admission.py::test_clients_that_never_read_do_not_hold_admission \
 	tests/unit/test_weight_updates.py::test_three_ranks_take_updates_from_disk_and_from_a_trainer \
 	tests/e2e/test_fuzz_soak.py::test_soak_short \
-	tests/e2e/test_lora_serving.py::test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft
+	tests/e2e/test_lora_serving.py::test_tp3_adapter_and_base_rows_in_one_batch_equal_tp1_and_peft \
+	tests/e2e/test_engine_faults.py::test_engine_dying_during_restart_ends_the_server \
+	tests/e2e/test_router_e2e.py::test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks
 soak-ci: setup-test
 	.venv/bin/python -m pytest -q --run-slow $(SOAK_CI) $(ARGS)
 

@@ -9,9 +9,11 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_harness import ServerProcess
 
 
+@pytest.mark.slow  # engines killed and restarted in turn, ~18 s (make soak-ci)
 def test_engine_dying_during_restart_ends_the_server():
     srv = ServerProcess("--restart-engine")
     try:

@@ -125,6 +125,7 @@ HEALTH_CHECK_INTERVAL = 0.5
 HEALTH_WAIT = 30.0
 
 
+@pytest.mark.slow  # health checks' failure and success thresholds waited out, ~12 s (make soak-ci)
 def test_a_frozen_worker_is_taken_out_and_brought_back_by_health_checks(workers):
     a, b = workers
     with RouterProcess("--worker-urls", a.url, b.url, "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
