@@ -11,6 +11,7 @@ from tokenloom.distributed.parallel_state import tp_group
 from tokenloom.model.arch_config import ArchConfig
 from tokenloom.model.layers.quantized_linear import quantized_weights
 from tokenloom.model.loader import LoadedModel
+from tokenloom.worker.kv_cache import kv_bytes_per_block
 from tokenloom.worker.runner import ModelRunner
 
 logger = logging.getLogger("tokenloom.engine")
@@ -48,9 +49,10 @@ class WorkerSetup:
     def summary(self) -> str:
         if getattr(self.loaded.model, "is_encoder", False):  # its KV cache is a placeholder, never written
             return f"encoder: no KV cache; inputs of up to {self.max_model_len} tokens, each embedded in one pass"
-        kv_dtype = str(self.runner.kv_caches[0].dtype).removeprefix("torch.")
-        total = sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches)
-        per_token = total / (self.num_blocks * self.block_size)
+        dtype = self.runner.kv_caches[0].dtype
+        kv_dtype = str(dtype).removeprefix("torch.")
+        per_block = kv_bytes_per_block(self.arch, self.block_size, dtype, tp_group().size)
+        total, per_token = self.num_blocks * per_block, per_block / self.block_size
         return (f"KV cache ({kv_dtype}): {self.num_blocks} blocks of {self.block_size} tokens, "
                 f"{total / 2**20:,.0f} MiB ({per_token / 2**10:.1f} KiB a token); "
                 f"{self.full_length_requests} requests of {self.max_model_len} tokens fit")
