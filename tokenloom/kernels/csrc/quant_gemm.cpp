@@ -26,11 +26,12 @@
 // scale, and the `min` term is one FMA against the activation block's precomputed sum. No horizontal
 // reduction anywhere: a column is a lane.
 //
-// Exact (quant_gemm): each thread dequantizes a column tile (CT = 32 columns) over the whole K once
-// into a float buffer [K, CT] (w = fma(q, scale, min), as the reference), then every row tile runs
-// acc[col] = fma(x[r, k], w[k, col], acc[col]) for k = 0..K-1 in order: an outer product in which a
-// row's result is the same sequential FMA chain whatever the number of rows (batch invariant bit for
-// bit), and the decode is paid once per column tile instead of once per row tile.
+// Exact (quant_gemm): float32 activations; each scale block's part of a row's product is one FMA chain of
+// x times the block's q values, then scaled and offset by the block's sum of x times its min (`exact`
+// below). At few rows the q values are decoded into registers and used at once; at many each thread
+// decodes a column tile (CT = 32 columns) over the whole K once into a float buffer and every row tile
+// runs over it. Both do the same FMAs in the same order, so a row's result is the same bits whatever the
+// number of rows (batch invariant).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -60,7 +61,9 @@ constexpr int64_t MC = 128;   // rows a work unit: x's rows stay in L2 while a t
 constexpr int VL = 16;
 using vf = __m512;
 using vi = __m512i;
-constexpr int MR_EXACT = 8;  // 8 rows x 2 vectors = 16 accumulators of 32
+constexpr int MR_DIRECT = 8;   // rows the exact kernel decodes into registers for
+constexpr int MR_TILE = 6;     // rows an exact tile over a decoded buffer: 6 x 2 block chains and their sums
+constexpr bool TWO_TILES = true;
 constexpr int MR_A8 = 4;     // 4 rows x 2 vectors x (float + int sums)
 inline vf fzero() { return _mm512_setzero_ps(); }
 inline vf fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -85,11 +88,14 @@ inline vi isllv32(vi a, int n) { return _mm512_sllv_epi32(a, _mm512_set1_epi32(n
 inline vi isrlv32(vi a, int n) { return _mm512_srlv_epi32(a, _mm512_set1_epi32(n)); }
 inline vi ior(vi a, vi b) { return _mm512_or_si512(a, b); }
 inline vi ibyte_set1(char v) { return _mm512_set1_epi8(v); }
+inline vi iselect(vi mask, vi a, vi b) { return _mm512_ternarylogic_epi32(a, b, mask, 0xE4); }  // mask ? a : b, bitwise
 #else
 constexpr int VL = 8;
 using vf = __m256;
 using vi = __m256i;
-constexpr int MR_EXACT = 4;  // 16 ymm registers: 4 rows x 2 vectors + weights + broadcasts
+constexpr int MR_DIRECT = 2;   // 16 ymm registers: 2 rows x 4 block chains + their sums + 4 weight vectors
+constexpr int MR_TILE = 2;
+constexpr bool TWO_TILES = false;  // one tile is already 4 vectors of chains
 constexpr int MR_A8 = 2;
 inline vf fzero() { return _mm256_setzero_ps(); }
 inline vf fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -117,6 +123,7 @@ inline vi isllv32(vi a, int n) { return _mm256_sllv_epi32(a, _mm256_set1_epi32(n
 inline vi isrlv32(vi a, int n) { return _mm256_srlv_epi32(a, _mm256_set1_epi32(n)); }
 inline vi ior(vi a, vi b) { return _mm256_or_si256(a, b); }
 inline vi ibyte_set1(char v) { return _mm256_set1_epi8(v); }
+inline vi iselect(vi mask, vi a, vi b) { return _mm256_or_si256(_mm256_and_si256(mask, a), _mm256_andnot_si256(mask, b)); }
 #endif
 
 constexpr int NCV = CT / VL;  // vectors a tile row (2 with AVX512, 4 with AVX2)
@@ -161,6 +168,16 @@ inline vi load_group8(const uint8_t* base, int g) {
   }
 }
 
+// load_group8 of a 6-bit block with bits 6-7 of each byte left as they fall (its users mask 6 bits): each
+// byte's low nibble and top bits taken by one bitwise select, 2-3 vector ops instead of 4-5.
+template <int HALF>
+inline vi load_group6(const uint8_t* base, int g) {
+  const vi v = iload(base + g * 64), h = iload(base + 256 + HALF * 64);
+  const vi low = HALF ? isrl16_4(v) : v;
+  const vi top = g < 2 ? isllv32(h, 4 - 2 * g) : isrlv32(h, 2 * g - 4);
+  return iselect(ibyte_set1(0x0F), low, top);
+}
+
 // S: how the scales and mins are stored, float or uint16_t (float16 bits).
 template <typename S>
 struct Packed {
@@ -196,8 +213,9 @@ struct KPacked {
     constexpr int per_super = SUPER / BS;
     const int8_t* i = sub + (panel * nsb + sb) * c * PANEL + lane0;
     const float* f = factor + (panel * (nsb / per_super) + sb / per_super) * 2 * PANEL + lane0;
-    s = fmul(fload(f), fload_i8(i));
-    m = fmul(fload(f + PANEL), fload_i8(i + (c - 1) * PANEL));
+    const vf sc = fload_i8(i);
+    s = fmul(fload(f), sc);
+    m = fmul(fload(f + PANEL), c == 1 ? sc : fload_i8(i + PANEL));
   }
 };
 
@@ -278,18 +296,72 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const W& w, int64_
 }
 
 // ---- exact -------------------------------------------------------------------------------------------
-// Column tile t of the whole weight, dequantized: wbuf[k * CT + c] = fma(q, scale, min).
+// Each scale block's part of a product is factored as llama.cpp's integer dot products are:
+//   acc = fma(xsum, min, fma(p, scale, acc)),  p = x[k0] q[k0] + ... + x[k1] q[k1] (an FMA chain in K order),
+// with xsum the block's sum of x. One FMA a weight value, where dequantizing first (fma(q, scale, min),
+// then fma(x, w, acc)) takes two: the one-row kernel is bound by its FMAs, two a value took ~0.6 ns per 16
+// values against ~0.35 ns with one (AMD EPYC Zen 4, 2026-12-03). Every path below does these very FMAs in
+// this order, so a row's bits do not depend on how many rows came with it.
+
+// Each row's sums of x over each scale block, in K order (the `min` term's factor), one function for every
+// path so that the sums are the same floats.
+void block_sums(const float* x, int64_t M, int64_t K, int BS, std::vector<float>& out) {
+  const int64_t nsb = K / BS;
+  out.resize(M * nsb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      float sum = 0.0f;
+      for (int i = 0; i < BS; ++i) sum += x[r * K + sb * BS + i];
+      out[r * nsb + sb] = sum;
+    }
+}
+
+// The running sums of an MR x NV-vector tile: in registers where they fit beside the block chains (NV of each
+// row's, the weight vectors and a broadcast), else in L1, where they are touched once a scale block.
+#if defined(__AVX512F__)
+constexpr int VREGS = 32;
+#else
+constexpr int VREGS = 16;
+#endif
+template <int MR, int NV>
+struct TileSums {
+  static constexpr bool in_regs = 2 * MR * NV + NV + 1 <= VREGS;
+  vf regs[in_regs ? MR : 1][NV];
+  alignas(64) float mem[in_regs ? 1 : MR][NV * VL];
+
+  TileSums() {
+    for (int r = 0; r < MR; ++r)
+      for (int cv = 0; cv < NV; ++cv) {
+        if constexpr (in_regs) regs[r][cv] = fzero();
+        else fstore(mem[r] + cv * VL, fzero());
+      }
+  }
+  // The block's chain p with its scale, then the block's sum of x with its min.
+  inline void add(int r, int cv, vf p, vf scale, vf xsum, vf min) {
+    if constexpr (in_regs) regs[r][cv] = ffma(xsum, min, ffma(p, scale, regs[r][cv]));
+    else fstore(mem[r] + cv * VL, ffma(xsum, min, ffma(p, scale, fload(mem[r] + cv * VL))));
+  }
+  inline vf get(int r, int cv) const {
+    if constexpr (in_regs) return regs[r][cv];
+    else return fload(mem[r] + cv * VL);
+  }
+};
+
+// Column tile t of the whole weight, decoded: qbuf[k * CT + c] = q as a float, and each scale block's scales
+// and mins, sbuf / mbuf[sb * CT + c].
 template <int BITS, int BS, typename W>
-void decode_tile(const W& w, int64_t t, float* wbuf) {
+void decode_tile(const W& w, int64_t t, float* qbuf, float* sbuf, float* mbuf) {
   const vi nib = iset1(0x0F), byte = iset1(0xFF);
   for (int64_t b = 0; b < w.nbx; ++b) {
     for (int cv = 0; cv < NCV; ++cv) {
       const uint8_t* base = w.q + (panel_of(t, cv) * w.nbx + b) * w.block_bytes + lane0_of(cv) * 4;
-      vf s0, m0, s1, m1;
-      w.template scale_min<BS>(panel_of(t, cv), b * (32 / BS), lane0_of(cv), s0, m0);
-      if constexpr (BS == 16) w.template scale_min<BS>(panel_of(t, cv), 2 * b + 1, lane0_of(cv), s1, m1);
-      else s1 = s0, m1 = m0;
-      float* dst = wbuf + b * 32 * CT + cv * VL;
+      for (int h = 0; h < 32 / BS; ++h) {
+        vf s, m;
+        w.template scale_min<BS>(panel_of(t, cv), b * (32 / BS) + h, lane0_of(cv), s, m);
+        fstore(sbuf + (b * (32 / BS) + h) * CT + cv * VL, s);
+        fstore(mbuf + (b * (32 / BS) + h) * CT + cv * VL, m);
+      }
+      float* dst = qbuf + b * 32 * CT + cv * VL;
       for (int g = 0; g < 4; ++g) {
         vi lo[4], hi[4];  // byte j of each lane: element 4g+j (lo) and 16+4g+j (hi)
         if constexpr (BITS == 4) {
@@ -306,8 +378,8 @@ void decode_tile(const W& w, int64_t t, float* wbuf) {
           lo[3] = isrl32<24>(vl), hi[3] = isrl32<24>(vh);
         }
         for (int j = 0; j < 4; ++j) {
-          fstore(dst + (4 * g + j) * CT, ffma(cvt(lo[j]), s0, m0));
-          fstore(dst + (16 + 4 * g + j) * CT, ffma(cvt(hi[j]), s1, m1));
+          fstore(dst + (4 * g + j) * CT, cvt(lo[j]));
+          fstore(dst + (16 + 4 * g + j) * CT, cvt(hi[j]));
         }
       }
     }
@@ -320,37 +392,43 @@ inline void unroll4(F&& f) {
   f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{});
 }
 
-// Byte J of each lane of a group (element 16*HALF + 4g + J of the block; 4-bit: its nibble) as an int32
-// times 2^shift_of<BITS, HALF, J>(): its bits masked where they are, one vector op instead of a shift
-// and a mask. The kernel multiplies it by the scale times 2^-shift: both factors exact, so the product is
-// q * scale exactly and fma(., ., min) rounds as before, bit for bit; 5-10% less time at one row (the
-// exact kernel is bound by its vector ops there: PERFORMANCE.md). The top field is shifted down instead
-// (masked in place it would not stay a positive int32).
-template <int BITS, int HALF, int J>
-constexpr int shift_of() {
-  if constexpr (BITS == 4) return (8 * J + 4 * HALF == 28) ? 0 : 8 * J + 4 * HALF;
-  else return J == 3 ? 0 : 8 * J;
+// Byte J of each lane of a group (element 16 HALF + 4g + J of the block; 4-bit: its nibble) as an int32 times 2^shift_of(BITS, HALF, J): its bits masked where they are, one vector op instead
+// of a shift and a mask. The kernel multiplies it by x times 2^-shift (prescaled): both factors exact, so
+// the product is x q exactly and the FMA rounds as the many-row path's does, bit for bit. The top field is
+// shifted down instead (masked in place it would not stay a positive int32).
+constexpr int shift_of(int bits, int half, int j) {
+  if (bits == 4) return 8 * j + 4 * half == 28 ? 0 : 8 * j + 4 * half;
+  return bits == 6 || j < 3 ? 8 * j : 0;
 }
 template <int BITS, int HALF, int J>
 inline vi element_scaled(vi v) {
+  constexpr int shift = shift_of(BITS, HALF, J);
   if constexpr (BITS == 4) {
-    constexpr int shift = 8 * J + 4 * HALF;
-    if constexpr (shift == 28) return isrl32<28>(v);
+    if constexpr (8 * J + 4 * HALF == 28) return isrl32<28>(v);
     else return iand(v, iset1(0x0F << shift));
   } else {
-    if constexpr (J == 3) return isrl32<24>(v);
-    else return iand(v, iset1(0xFF << (8 * J)));
+    if constexpr (BITS == 6) return iand(v, iset1(0x3F << shift));  // q 2^24 < 2^30 stays a positive int32
+    else if constexpr (J == 3) return isrl32<24>(v);
+    else return iand(v, iset1(0xFF << shift));
   }
 }
 
-// Few rows (at most MR_EXACT): each block dequantized into registers and used at once, no buffer. The
-// FMAs per element are those of exact_tile over decode_tile's buffer, in the same order (k = 0..K-1),
-// and the dequantized weights the same fma(q, scale, min): so a row's bits match the many-row path.
+// x with each value times 2^-shift_of its place in its 32-value block: exact for |x| >= 2^-102 (28 bits
+// below float32's smallest normal), which every activation of a model that is not 0 is.
+template <int BITS>
+void prescaled(const float* x, int64_t M, int64_t K, std::vector<float>& out) {
+  float factor[32];
+  for (int i = 0; i < 32; ++i) factor[i] = 1.0f / float(1u << shift_of(BITS, i / 16, i % 4));
+  out.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) out[i] = x[i] * factor[i % 32];
+}
+
+// Few rows (at most MR_DIRECT): each block decoded into registers and used at once, no buffer. `xs` is x
+// prescaled<BITS>, `xsum` its block_sums (of x itself).
 template <int BITS, int BS, int MR, int NV, typename W>
-void exact_tile_direct(const float* x, int64_t K, const W& w, int64_t t, float* out, int64_t ldo, int64_t n) {
-  vf acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int cv = 0; cv < NV; ++cv) acc[r][cv] = fzero();
+void exact_tile_direct(const float* xs, const float* xsum, int64_t K, const W& w, int64_t t, float* out, int64_t ldo,
+                       int64_t n) {
+  TileSums<MR, NV> acc;
   for (int64_t b = 0; b < w.nbx; ++b) {
     const uint8_t* base[NV];
     vf s[2][NV], m[2][NV];
@@ -360,28 +438,27 @@ void exact_tile_direct(const float* x, int64_t K, const W& w, int64_t t, float* 
       if constexpr (BS == 16) w.template scale_min<BS>(panel_of(t, cv), 2 * b + 1, lane0_of(cv), s[1][cv], m[1][cv]);
       else s[1][cv] = s[0][cv], m[1][cv] = m[0][cv];
     }
+    vf p[MR][NV];
     auto half = [&](auto h) {
       constexpr int HALF = decltype(h)::value;
-      vf sj[4][NV];  // the scale times 2^-shift for each J: (q 2^shift)(scale 2^-shift) is q scale exactly
-      unroll4([&](auto j) {
-        constexpr int J = decltype(j)::value;
-        constexpr int sh = shift_of<BITS, HALF, J>();
-        for (int cv = 0; cv < NV; ++cv) sj[J][cv] = sh ? fmul(s[HALF][cv], fset1(1.0f / float(1u << sh))) : s[HALF][cv];
-      });
+      if constexpr (HALF == 0 || BS == 16)
+        for (int r = 0; r < MR; ++r)
+          for (int cv = 0; cv < NV; ++cv) p[r][cv] = fzero();
       auto group = [&](int g) {
         vi v[NV];
         for (int cv = 0; cv < NV; ++cv) {
           if constexpr (BITS == 4) v[cv] = iload(base[cv] + g * 64);
+          else if constexpr (BITS == 6) v[cv] = load_group6<HALF>(base[cv], g);
           else v[cv] = load_group8<BITS, HALF>(base[cv], g);
         }
         unroll4([&](auto j) {
           constexpr int J = decltype(j)::value;
-          vf wv[NV];
-          for (int cv = 0; cv < NV; ++cv) wv[cv] = ffma(cvt(element_scaled<BITS, HALF, J>(v[cv])), sj[J][cv], m[HALF][cv]);
+          vf qv[NV];
+          for (int cv = 0; cv < NV; ++cv) qv[cv] = cvt(element_scaled<BITS, HALF, J>(v[cv]));
           const int64_t k = b * 32 + 16 * HALF + 4 * g + J;
           for (int r = 0; r < MR; ++r) {
-            const vf xb = fset1(x[r * K + k]);
-            for (int cv = 0; cv < NV; ++cv) acc[r][cv] = ffma(xb, wv[cv], acc[r][cv]);
+            const vf xb = fset1(xs[r * K + k]);
+            for (int cv = 0; cv < NV; ++cv) p[r][cv] = ffma(xb, qv[cv], p[r][cv]);
           }
         });
       };
@@ -390,29 +467,47 @@ void exact_tile_direct(const float* x, int64_t K, const W& w, int64_t t, float* 
       // nothing from it and stay a loop.
       if constexpr (BITS == 6) unroll4([&](auto g) { group(decltype(g)::value); });
       else for (int g = 0; g < 4; ++g) group(g);
+      if constexpr (HALF == 1 || BS == 16) {
+        const int64_t sb = b * (32 / BS) + (BS == 16 ? HALF : 0);
+        for (int r = 0; r < MR; ++r) {
+          const vf xm = fset1(xsum[r * w.nsb + sb]);
+          for (int cv = 0; cv < NV; ++cv) acc.add(r, cv, p[r][cv], s[HALF][cv], xm, m[HALF][cv]);
+        }
+      }
     };
     half(std::integral_constant<int, 0>{});
     half(std::integral_constant<int, 1>{});
   }
   for (int r = 0; r < MR; ++r)
-    for (int cv = 0; cv < NV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+    for (int cv = 0; cv < NV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc.get(r, cv), t * CT + cv * VL, n);
 }
 
-template <int MR>
-void exact_tile(const float* x, int64_t K, const float* wbuf, int64_t t, float* out, int64_t ldo, int64_t n) {
-  vf acc[MR][NCV];
-  for (int r = 0; r < MR; ++r)
-    for (int cv = 0; cv < NCV; ++cv) acc[r][cv] = fzero();
-  for (int64_t k = 0; k < K; ++k) {
-    vf wv[NCV];
-    for (int cv = 0; cv < NCV; ++cv) wv[cv] = fload(wbuf + k * CT + cv * VL);
+// Many rows over a decoded tile (decode_tile): the same chains, FMAs and order as exact_tile_direct.
+template <int MR, int BS>
+void exact_tile(const float* x, const float* xsum, int64_t K, const float* qbuf, const float* sbuf, const float* mbuf,
+                int64_t t, float* out, int64_t ldo, int64_t n) {
+  const int64_t nsb = K / BS;
+  TileSums<MR, NCV> acc;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    vf p[MR][NCV];
+    for (int r = 0; r < MR; ++r)
+      for (int cv = 0; cv < NCV; ++cv) p[r][cv] = fzero();
+    for (int64_t k = sb * BS; k < (sb + 1) * BS; ++k) {
+      vf wv[NCV];
+      for (int cv = 0; cv < NCV; ++cv) wv[cv] = fload(qbuf + k * CT + cv * VL);
+      for (int r = 0; r < MR; ++r) {
+        const vf xb = fset1(x[r * K + k]);
+        for (int cv = 0; cv < NCV; ++cv) p[r][cv] = ffma(xb, wv[cv], p[r][cv]);
+      }
+    }
     for (int r = 0; r < MR; ++r) {
-      const vf xb = fset1(x[r * K + k]);
-      for (int cv = 0; cv < NCV; ++cv) acc[r][cv] = ffma(xb, wv[cv], acc[r][cv]);
+      const vf xm = fset1(xsum[r * nsb + sb]);
+      for (int cv = 0; cv < NCV; ++cv)
+        acc.add(r, cv, p[r][cv], fload(sbuf + sb * CT + cv * VL), xm, fload(mbuf + sb * CT + cv * VL));
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int cv = 0; cv < NCV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc[r][cv], t * CT + cv * VL, n);
+    for (int cv = 0; cv < NCV; ++cv) store_cols(out + r * ldo + t * CT + cv * VL, acc.get(r, cv), t * CT + cv * VL, n);
 }
 
 // ---- driver ------------------------------------------------------------------------------------------
@@ -519,38 +614,47 @@ at::Tensor output_for(const at::Tensor& x, int64_t M, int64_t n) {
 }
 
 struct DecodedTile {
-  std::vector<float> wbuf;  // [K, CT]
+  std::vector<float> qbuf;        // [K, CT]
+  std::vector<float> sbuf, mbuf;  // [K / BS, CT]
   int64_t tile = -1;
 };
 
 template <int BITS, int BS, typename W>
 void exact_impl(const float* x, int64_t M, int64_t K, const W& w, int64_t tiles, float* out, int64_t n) {
-  if (M <= 2) {  // two tiles at once: 2 x NCV FMA chains a row alone would wait on the FMA latency
-    parallel_tiles(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
-        with_rows<2>(static_cast<int>(M), [&](auto rows) {
-          if (t + 1 < tiles) exact_tile_direct<BITS, BS, decltype(rows)::value, 2 * NCV>(x, K, w, t, out, n, n);
-          else exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
-        });
-    });
-    return;
-  }
-  if (M <= MR_EXACT) {  // one row tile: decoding into registers beats a buffer written and read back once
+  std::vector<float> xsum;
+  block_sums(x, M, K, BS, xsum);
+  if (M <= MR_DIRECT) {  // decoding into registers beats a buffer written and read back once
+    std::vector<float> xs;
+    prescaled<BITS>(x, M, K, xs);
+    if (M <= 2 && TWO_TILES) {  // two tiles at once: 2 x NCV chains, where a row alone would wait on the FMA latency
+      parallel_tiles(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2)
+          with_rows<2>(static_cast<int>(M), [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            if (t + 1 < tiles) exact_tile_direct<BITS, BS, R, 2 * NCV>(xs.data(), xsum.data(), K, w, t, out, n, n);
+            else exact_tile_direct<BITS, BS, R, NCV>(xs.data(), xsum.data(), K, w, t, out, n, n);
+          });
+      });
+      return;
+    }
     parallel_tiles(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        with_rows<MR_EXACT>(static_cast<int>(M), [&](auto rows) {
-          exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(x, K, w, t, out, n, n);
+        with_rows<MR_DIRECT>(static_cast<int>(M), [&](auto rows) {
+          exact_tile_direct<BITS, BS, decltype(rows)::value, NCV>(xs.data(), xsum.data(), K, w, t, out, n, n);
         });
     });
     return;
   }
-  run_units<MR_EXACT>(
-      M, tiles, [&] { return DecodedTile{std::vector<float>(K * CT), -1}; },
+  const int64_t nsb = K / BS;
+  run_units<MR_TILE>(
+      M, tiles,
+      [&] { return DecodedTile{std::vector<float>(K * CT), std::vector<float>(nsb * CT), std::vector<float>(nsb * CT)}; },
       [&](int64_t t, DecodedTile& s) {
-        if (s.tile != t) decode_tile<BITS, BS>(w, t, s.wbuf.data()), s.tile = t;
+        if (s.tile != t) decode_tile<BITS, BS>(w, t, s.qbuf.data(), s.sbuf.data(), s.mbuf.data()), s.tile = t;
       },
       [&](auto rows, int64_t m, int64_t t, DecodedTile& s) {
-        exact_tile<decltype(rows)::value>(x + m * K, K, s.wbuf.data(), t, out + m * n, n, n);
+        exact_tile<decltype(rows)::value, BS>(x + m * K, xsum.data() + m * nsb, K, s.qbuf.data(), s.sbuf.data(),
+                                             s.mbuf.data(), t, out + m * n, n, n);
       });
 }
 
