@@ -8,7 +8,7 @@ parallelism and quantization compose: a column-parallel layer narrows rows, a ro
 of columns, the vocabulary layers rows.
 
 Two numeric paths, chosen by `--quantized-matmul`:
-- `exact` (default): float32 activations times the weight dequantized in registers; float32 results
+- `exact` (default): float32 activations times the weight's values, scaled once a block; float32 results
   within ~1e-6 relative of the dequantized float32 model's, whatever else is in the batch.
 - `w4a8`: activations quantized to int8 per 32 values (llama.cpp's scheme); faster, lossier
   (docs/performance.md has its measured accuracy).
