@@ -123,7 +123,9 @@ inline vi isllv32(vi a, int n) { return _mm256_sllv_epi32(a, _mm256_set1_epi32(n
 inline vi isrlv32(vi a, int n) { return _mm256_srlv_epi32(a, _mm256_set1_epi32(n)); }
 inline vi ior(vi a, vi b) { return _mm256_or_si256(a, b); }
 inline vi ibyte_set1(char v) { return _mm256_set1_epi8(v); }
-inline vi iselect(vi mask, vi a, vi b) { return _mm256_or_si256(_mm256_and_si256(mask, a), _mm256_andnot_si256(mask, b)); }
+inline vi iselect(vi mask, vi a, vi b) {
+  return _mm256_or_si256(_mm256_and_si256(mask, a), _mm256_andnot_si256(mask, b));
+}
 #endif
 
 constexpr int NCV = CT / VL;  // vectors a tile row (2 with AVX512, 4 with AVX2)
@@ -169,7 +171,8 @@ inline vi load_group8(const uint8_t* base, int g) {
 }
 
 // load_group8 of a 6-bit block with bits 6-7 of each byte left as they fall (its users mask 6 bits): each
-// byte's low nibble and top bits taken by one bitwise select, 2-3 vector ops instead of 4-5.
+// byte's low nibble and top bits taken by one bitwise select, 2-3 vector ops instead of 4-5 (no time
+// measurable from it at one row).
 template <int HALF>
 inline vi load_group6(const uint8_t* base, int g) {
   const vi v = iload(base + g * 64), h = iload(base + 256 + HALF * 64);
@@ -299,9 +302,10 @@ void a8_tile(const int8_t* xq, const float* xmeta, int64_t K, const W& w, int64_
 // Each scale block's part of a product is factored as llama.cpp's integer dot products are:
 //   acc = fma(xsum, min, fma(p, scale, acc)),  p = x[k0] q[k0] + ... + x[k1] q[k1] (an FMA chain in K order),
 // with xsum the block's sum of x. One FMA a weight value, where dequantizing first (fma(q, scale, min),
-// then fma(x, w, acc)) takes two: the one-row kernel is bound by its FMAs, two a value took ~0.6 ns per 16
-// values against ~0.35 ns with one (AMD EPYC Zen 4, 2026-12-03). Every path below does these very FMAs in
-// this order, so a row's bits do not depend on how many rows came with it.
+// then fma(x, w, acc)) takes two: the one-row kernel is bound by its vector work, and a Q4_K weight in L3
+// took 0.70-0.86 ns per 16 values with two, 0.53-0.65 with one (one thread, AMD EPYC Zen 4, 2026-12-03).
+// Every path below does these very FMAs in this order, so a row's bits do not depend on how many rows came
+// with it.
 
 // Each row's sums of x over each scale block, in K order (the `min` term's factor), one function for every
 // path so that the sums are the same floats.
@@ -392,10 +396,11 @@ inline void unroll4(F&& f) {
   f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{});
 }
 
-// Byte J of each lane of a group (element 16 HALF + 4g + J of the block; 4-bit: its nibble) as an int32 times 2^shift_of(BITS, HALF, J): its bits masked where they are, one vector op instead
-// of a shift and a mask. The kernel multiplies it by x times 2^-shift (prescaled): both factors exact, so
-// the product is x q exactly and the FMA rounds as the many-row path's does, bit for bit. The top field is
-// shifted down instead (masked in place it would not stay a positive int32).
+// Byte J of each lane of a group (element 16 HALF + 4g + J of the block; 4-bit: its nibble) as an int32
+// times 2^shift_of(BITS, HALF, J): its bits masked where they are, one vector op instead of a shift and a
+// mask. The kernel multiplies it by x times 2^-shift (prescaled): both factors exact, so the product is
+// x q exactly and the FMA rounds as the many-row path's does, bit for bit. A lane's top nibble (4-bit)
+// or top byte (8-bit) is shifted down instead: masked in place it would not stay a positive int32.
 constexpr int shift_of(int bits, int half, int j) {
   if (bits == 4) return 8 * j + 4 * half == 28 ? 0 : 8 * j + 4 * half;
   return bits == 6 || j < 3 ? 8 * j : 0;
@@ -413,8 +418,8 @@ inline vi element_scaled(vi v) {
   }
 }
 
-// x with each value times 2^-shift_of its place in its 32-value block: exact for |x| >= 2^-102 (28 bits
-// below float32's smallest normal), which every activation of a model that is not 0 is.
+// x with each value times 2^-shift_of its place in its 32-value block: exact for |x| >= 2^-102 (float32's
+// smallest normal times 2^24, the largest shift), which every activation of a model that is not 0 is.
 template <int BITS>
 void prescaled(const float* x, int64_t M, int64_t K, std::vector<float>& out) {
   float factor[32];
@@ -648,7 +653,9 @@ void exact_impl(const float* x, int64_t M, int64_t K, const W& w, int64_t tiles,
   const int64_t nsb = K / BS;
   run_units<MR_TILE>(
       M, tiles,
-      [&] { return DecodedTile{std::vector<float>(K * CT), std::vector<float>(nsb * CT), std::vector<float>(nsb * CT)}; },
+      [&] {
+        return DecodedTile{std::vector<float>(K * CT), std::vector<float>(nsb * CT), std::vector<float>(nsb * CT)};
+      },
       [&](int64_t t, DecodedTile& s) {
         if (s.tile != t) decode_tile<BITS, BS>(w, t, s.qbuf.data(), s.sbuf.data(), s.mbuf.data()), s.tile = t;
       },
